@@ -1,0 +1,23 @@
+"""shardkit: fully sharded data parallel on DTensor, a drop-in for torch's FSDP2.
+
+Switch with one import line::
+
+    from shardkit import fully_shard, FSDPModule, MixedPrecisionPolicy
+"""
+
+from shardkit.api import fully_shard
+from shardkit.comm.trace import Trace, trace
+from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "trace",
+    "Trace",
+]

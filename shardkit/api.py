@@ -1,0 +1,237 @@
+"""fully_shard(): validate, collect the parameters, shard them, install the hooks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
+from shardkit.hooks import GroupState, state_of
+from shardkit.module import FSDPModule
+from shardkit.param_group import ParamGroup
+from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_supported
+
+_fsdp_classes: dict[type, type] = {}  # original class -> its FSDP subclass, made once
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
+
+    A drop-in for ``torch.distributed.fsdp.fully_shard``: call it on each block, then on the
+    root. Every parameter of ``module`` not already managed by an inner call (and not in
+    ``ignored_params``) becomes an ``nn.Parameter`` holding a ``Shard(0)`` DTensor over the
+    1-D ``mesh`` (default: all ranks); they form ONE group, all-gathered in one collective
+    before forward and backward and reduce-scattered in one collective after backward.
+    ``reshard_after_forward`` frees the gathered parameters after forward (default: True
+    except for the root). A list of modules makes one group of all of them.
+
+    Example::
+
+        from shardkit import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(x).sum().backward(); optim.step()
+
+    Returns the module (its class now also an ``FSDPModule``), or the list of modules.
+    """
+    modules = _check_modules(module)
+    mesh = _default_mesh() if mesh is None else mesh
+    _check_mesh(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
+    check_supported(mp_policy, offload_policy)
+    ignored = _check_ignored(ignored_params, modules)
+    device = _mesh_device(mesh)
+
+    managed, nested = _managed_modules(modules)
+    slots = _param_slots(managed, ignored)
+    _move_buffers(managed, device)
+    params = [_shard_param(p, s, mesh, device, shard_placement_fn) for p, s in slots.items()]
+    group = ParamGroup(params, mesh) if params else None
+    state = GroupState(modules, group, reshard_after_forward, device)
+    for p in params:
+        p.to_sharded()
+    for inner in nested:
+        inner.parent = state
+    for m in modules:
+        m.__dict__["_shardkit_state"] = state
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _check_modules(module: Any) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard expects an nn.Module or a non-empty list of them, got {module!r}")
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__}. "
+                "Call it on each module inside, or pass them as a list to make one group."
+            )
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(bottom-up: blocks first, then the root)."
+            )
+    return modules
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group()
+        else:
+            raise RuntimeError(
+                "fully_shard needs a process group: call torch.distributed.init_process_group() "
+                "(or launch with torchrun) before fully_shard, or pass mesh=init_device_mesh(...)."
+            )
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _check_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
+            "build one with init_device_mesh('cpu' or 'cuda', (world_size,))."
+        )
+    if mesh.ndim == 2:
+        raise NotImplementedError(
+            f"shardkit does not support 2-D meshes (HSDP) yet, got {mesh}; pass a 1-D mesh "
+            "such as mesh['shard'] or init_device_mesh(device, (world_size,))."
+        )
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard expects a 1-D DeviceMesh (data-parallel dim), got a {mesh.ndim}-D mesh {mesh}.")
+
+
+def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(
+            f"reshard_after_forward should be None, a bool, or an int dividing the mesh size, not {value!r}"
+        )
+    world = mesh.size()
+    if value < 1 or world % value != 0:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {world}, not {value}")
+    if value == world:
+        return True
+    if value == 1:
+        warnings.warn("reshard_after_forward=1 (int) keeps parameters unsharded after forward; use False", stacklevel=3)
+        return False
+    raise NotImplementedError(
+        f"shardkit does not support resharding to {value} ranks after forward yet; pass True or False."
+    )
+
+
+def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
+    if ignored_params is None:
+        return set()
+    ignored = set(ignored_params)
+    owned = {p for m in modules for p in m.parameters()}
+    stray = [p for p in ignored if p not in owned]
+    if stray:
+        shapes = ", ".join(str(tuple(p.shape)) for p in stray)
+        raise ValueError(
+            f"ignored_params holds {len(stray)} tensor(s) that are not parameters of the module(s) "
+            f"passed to fully_shard (shapes {shapes}); pass parameters of this module only."
+        )
+    return ignored
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())
+
+
+def _managed_modules(modules: tuple[nn.Module, ...]) -> tuple[list[nn.Module], list[GroupState]]:
+    """Modules whose parameters this call manages: all below ``modules``, stopping at inner
+    fully_shard modules (those are returned as the nested states)."""
+    managed: list[nn.Module] = []
+    nested: list[GroupState] = []
+    seen: set[nn.Module] = set()
+
+    def visit(m: nn.Module) -> None:
+        if m in seen:
+            return
+        seen.add(m)
+        if m not in modules and (inner := state_of(m)) is not None:
+            if inner not in nested:
+                nested.append(inner)
+            return
+        managed.append(m)
+        for child in m.children():
+            visit(child)
+
+    for m in modules:
+        visit(m)
+    return managed, nested
+
+
+def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[ParamSlot]]:
+    """Each managed parameter with every place it is registered (tied weights have several)."""
+    slots: dict[nn.Parameter, list[ParamSlot]] = {}
+    for m in managed:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored:
+                continue
+            if getattr(p, "_shardkit_owned", False):
+                raise ValueError(
+                    f"parameter '{name}' of {type(m).__name__} is already sharded by an earlier fully_shard "
+                    "call that contains this module. Call fully_shard bottom-up: on submodules first, "
+                    "then on their parents."
+                )
+            slots.setdefault(p, []).append(ParamSlot(m, name))
+    return slots
+
+
+def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
+    for m in managed:
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device and b.device.type != "meta":
+                m._buffers[name] = b.to(device)
+
+
+def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn) -> ShardedParam:
+    where = f"'{slots[0].name}' of {type(slots[0].module).__name__}"
+    if isinstance(p, DTensor):
+        raise NotImplementedError(
+            f"parameter {where} is already a DTensor (tensor parallel?); shardkit does not compose "
+            "with tensor parallel yet."
+        )
+    if placement_fn is not None:
+        placement = placement_fn(p)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(f"shard_placement_fn returned {placement} for {where}; shardkit supports Shard(0) only for now.")
+    return ShardedParam(p, slots, mesh, device)
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+    return _fsdp_classes[cls]
+
+
+def _no_deepcopy(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")

@@ -1,0 +1,1 @@
+"""Grouped collectives, streams and the collective trace."""

@@ -1,0 +1,1 @@
+"""Turning parameters into sharded DTensors and back."""

@@ -1,0 +1,164 @@
+"""One parameter in its three forms: original -> sharded DTensor (+padding) <-> unsharded.
+
+- The **padded shard** (``padded_shard``, ``(padded_rows, *rest)``) is this rank's rows of the
+  original parameter followed by zero rows up to ``padded_rows``; it is the all-gather input
+  and the storage the optimizer updates in place.
+- The **sharded parameter** (``sharded_param``) is an ``nn.Parameter`` wrapping a ``Shard(0)``
+  DTensor whose local tensor is a view of the real (unpadded) rows of the padded shard. It is
+  what the module holds between steps, so the optimizer and ``state_dict()`` see it.
+- The **unsharded parameter** (``unsharded_param``) is a plain ``nn.Parameter`` of the
+  original shape, a view into ``unsharded_flat`` (``world * shard_numel`` elements, the
+  all-gather output layout). It is registered on the module during forward/backward. Its
+  object lives for the whole run (autograd saves it and accumulates ``.grad`` into it); only
+  its storage is freed (resized to 0) when we reshard, and refilled when we unshard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from shardkit.dtensor.placements import local_rows, padded_rows, row_numel
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where a parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+class ShardedParam:
+    def __init__(self, param: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device):
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard cannot shard the scalar parameter '{slots[0].name}' of "
+                f"{type(slots[0].module).__name__}: make it a 1-D tensor with one element."
+            )
+        self.slots = slots
+        self.fqn = slots[0].name  # replaced by the full name at lazy init
+        self.mesh = mesh
+        self.world, self.rank = mesh.size(), mesh.get_local_rank()
+        self.shape, self.dtype = param.shape, param.dtype
+        self.requires_grad = param.requires_grad
+        self.padded_rows = padded_rows(self.shape[0], self.world)
+        self.local_rows = local_rows(self.shape[0], self.world, self.rank)
+        self.shard_numel = self.padded_rows * row_numel(tuple(self.shape))
+        self.spec = DTensorSpec(
+            mesh, (Shard(0),), TensorMeta(self.shape, _contiguous_stride(self.shape), self.dtype)
+        )
+        self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
+        self.unsharded_flat: torch.Tensor | None = None
+        self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
+        self._shard(param.detach(), device)
+
+    def _shard(self, full: torch.Tensor, device: torch.device) -> None:
+        """Build the padded shard and the sharded DTensor parameter from a full tensor."""
+        start = self.rank * self.padded_rows
+        padded = torch.empty((self.padded_rows, *self.shape[1:]), dtype=self.dtype, device=device)
+        if padded.device.type != "meta" and full.device.type != "meta":
+            with torch.no_grad():
+                padded[: self.local_rows].copy_(full[start : start + self.local_rows])
+                padded[self.local_rows :].zero_()
+        self._set_padded_shard(padded)
+
+    def _set_padded_shard(self, padded: torch.Tensor) -> None:
+        self.padded_shard = padded  # (padded_rows, *rest)
+        local = padded[: self.local_rows]  # (local_rows, *rest): what DTensor sees
+        self.sharded_param = nn.Parameter(to_dtensor(local, self.spec), requires_grad=self.requires_grad)
+        self.sharded_param._shardkit_owned = True  # marks "already managed" for fully_shard
+
+    def reset_from_registered(self) -> None:
+        """Re-derive the padded shard after ``module._apply`` (``to_empty``, ``.to``) swapped its data."""
+        registered = self.slots[0].module._parameters[self.slots[0].name]
+        local = registered._local_tensor
+        if local.device.type == "meta":
+            padded = local.new_empty((self.padded_rows, *self.shape[1:]))
+        elif local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
+            padded = self.padded_shard  # nothing moved
+        else:
+            padded = local.new_zeros((self.padded_rows, *self.shape[1:]))  # (padded_rows, *rest)
+            with torch.no_grad():
+                padded[: self.local_rows].copy_(local)
+            registered._local_tensor = padded[: self.local_rows]
+        # Keep the registered Parameter object (the optimizer may already hold it).
+        self.padded_shard, self.sharded_param = padded, registered
+        self.dtype, self.spec = local.dtype, registered._spec
+        self.unsharded_param = self.unsharded_flat = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.padded_shard.device
+
+    def alloc_unsharded(self) -> None:
+        """Create the unsharded parameter once (storage freed until the first unshard)."""
+        if self.unsharded_param is not None:
+            return
+        self.unsharded_flat = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=self.device)
+        view = self.unsharded_flat[: self.shape.numel()].view(self.shape)  # (*shape)
+        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        free_storage(self.unsharded_flat)
+
+    def to_unsharded(self) -> None:
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = self.unsharded_param
+
+    def to_sharded(self) -> None:
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = self.sharded_param
+
+    def accumulate_unreduced_grad(self) -> None:
+        """Move the unsharded ``.grad`` aside (summed) when gradient sync is off."""
+        grad = self.unsharded_param.grad
+        if grad is None:
+            return
+        self.unsharded_param.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad
+        else:
+            self.accumulated_grad += grad
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """This step's unsharded gradient plus any unreduced ones, detached from the parameter."""
+        grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        if self.accumulated_grad is not None:
+            grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
+            self.accumulated_grad = None
+        return grad
+
+    def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Give the sharded parameter this rank's reduced gradient rows (summing into an existing one)."""
+        grad = self.sharded_param.grad
+        if grad is None:
+            self.sharded_param.grad = to_dtensor(local_grad, self.spec)
+        else:
+            grad._local_tensor.add_(local_grad)
+
+
+def to_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """Wrap a local shard as a DTensor with a precomputed spec (no checks, no autograd)."""
+    return DTensor(local, spec, requires_grad=False)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))

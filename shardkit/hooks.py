@@ -1,0 +1,267 @@
+"""GroupState: the hooks of one ``fully_shard`` call, and the root's per-step bookkeeping.
+
+The life of a step, for one group (see docs/design.md for the sequence diagram):
+
+- pre-forward hook: the first forward lazily initializes the root; then unshard (ONE
+  all-gather per dtype) and put a ``_PostBackward`` node on the inputs.
+- post-forward hook: reshard if ``reshard_after_forward``, and hook every output tensor so
+  its gradient triggers the pre-backward.
+- pre-backward (output gradient hook): unshard again (if resharded), and make sure the
+  root's final callback is queued.
+- post-backward (``_PostBackward.backward``, after the group's gradients are accumulated):
+  ONE reduce-scatter per dtype into the sharded ``.grad`` and reshard.
+- the root's final callback: groups whose post-backward never fired (the root, whose inputs
+  are token ids; groups whose inputs need no grad) reduce now; all return to IDLE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardkit.param_group import ParamGroup
+from shardkit.state import Phase, PhaseEvent, PhaseMachine
+
+
+class RootContext:
+    """What the groups under one root share, set up at the root's lazy init."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: list[GroupState] = []  # every group under the root, module order
+        self.forward_root: GroupState | None = None  # whose forward opened this pass
+        self.final_callback_queued = False
+        self.is_last_backward = True
+        self.post_forward_order: list[GroupState] = []  # for backward prefetch
+
+
+class GroupState:
+    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None, reshard_after_forward: bool | None, device: torch.device) -> None:
+        self.modules = modules
+        self.group = group
+        self.device = device
+        self.machine = PhaseMachine()
+        self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.is_root: bool | None = None  # None until the root's lazy init
+        self.parent: GroupState | None = None  # the enclosing fully_shard call, if any
+        self.ctx: RootContext | None = None
+        self.forward_prefetch: list[GroupState] = []
+        self.backward_prefetch: list[GroupState] = []
+        self._modules_to_run: set[nn.Module] = set()
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
+
+    @property
+    def name(self) -> str:
+        return self.machine.name
+
+    # Lazy init -----------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        """Make this state the root of every group below its module (first forward only)."""
+        root_module = self.modules[0]
+        if self.parent is not None:
+            raise RuntimeError(
+                f"shardkit: {type(root_module).__name__} (a fully_shard module inside "
+                f"{type(self.parent.modules[0]).__name__}) ran forward before its root. Run the "
+                "first forward through the root module, the one fully_shard was applied to last."
+            )
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"shardkit: the first forward ran through a fully_shard group of several modules "
+                f"({', '.join(type(m).__name__ for m in self.modules)}); the root must be one module "
+                "that contains the others: call fully_shard on the whole model too."
+            )
+        ctx = RootContext(self.device)
+        for fqn, module in root_module.named_modules():
+            state = state_of(module)
+            if state is None:
+                continue
+            if state.ctx is ctx:  # a group of several modules, met again
+                state.machine.name += f", {fqn}"
+                continue
+            if state is not self and state.is_root is not None:
+                raise RuntimeError(
+                    f"shardkit: the fully_shard module '{fqn}' already ran forward as its own root. "
+                    "Run the first forward through the outermost fully_shard module."
+                )
+            state.is_root, state.ctx, state.machine.name = state is self, ctx, fqn
+            if state.reshard_after_forward_arg is None:
+                state.reshard_after_forward = not state.is_root
+            ctx.states.append(state)
+        _name_params(root_module, ctx.states)
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.name = state.name
+                state.group.lazy_init()
+        self.ctx = ctx
+
+    # Forward -------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.is_root is None:
+            self._lazy_init()
+        if self.machine.phase is Phase.FORWARD:  # the next module of a multi-module group
+            return args, kwargs
+        if self.machine.phase is Phase.PRE_BACKWARD:  # recomputation inside backward
+            self.machine.advance(PhaseEvent.PRE_FORWARD)
+            self._unshard_now()
+            return args, kwargs
+        if self.ctx.forward_root is None:
+            self.ctx.forward_root = self
+            args, kwargs = self._inputs_to_device(args, kwargs)
+        self.machine.advance(PhaseEvent.PRE_FORWARD)
+        self._modules_to_run = set(self.modules)
+        self._unshard_now()
+        for target in self.forward_prefetch:
+            target._prefetch()
+        if self.group is not None and torch.is_grad_enabled():
+            args, kwargs = _PostBackward.attach(self, args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.machine.phase is Phase.PRE_BACKWARD:  # recomputation: keep parameters for backward
+            self.machine.advance(PhaseEvent.POST_FORWARD)
+            return output
+        self._modules_to_run.discard(module)
+        if self._modules_to_run:
+            return output  # other modules of this group still to run
+        self._finish_forward(output)
+        if self.ctx.forward_root is self:
+            for state in self.ctx.states:  # groups of several modules that ran only in part
+                if state.machine.phase is Phase.FORWARD:
+                    state._finish_forward(output)
+            self.ctx.forward_root = None
+        return output
+
+    def _finish_forward(self, output: Any) -> None:
+        if self.group is not None and self.reshard_after_forward:
+            self.group.reshard()
+        self.ctx.post_forward_order.append(self)
+        if torch.is_grad_enabled():
+            for t in iter_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        self.machine.advance(PhaseEvent.POST_FORWARD)
+
+    def _inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The root moves forward inputs to the accelerator, like DDP and FSDP2."""
+        if self.device.type == "cpu":
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        flat = [x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in flat]
+        return tree_unflatten(flat, spec)
+
+    # Unshard helpers -----------------------------------------------------------------------
+    def _unshard_now(self) -> None:
+        if self.group is not None:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+
+    def _prefetch(self) -> None:
+        """Issue this group's all-gather early; its own pre-forward/backward waits for it."""
+        if self.group is not None:
+            self.group.unshard(async_op=True)
+
+    # Backward ------------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.machine.phase is Phase.PRE_BACKWARD:
+            return  # another output of the same call
+        self.machine.advance(PhaseEvent.PRE_BACKWARD)
+        if not self.ctx.final_callback_queued:
+            self.ctx.final_callback_queued = True
+            Variable._execution_engine.queue_callback(self.ctx.states[0]._finish_backward)
+        self._unshard_now()
+        for target in self.backward_prefetch:
+            target._prefetch()
+
+    def _post_backward(self) -> None:
+        self.machine.advance(PhaseEvent.POST_BACKWARD)
+        if self.group is not None:
+            self.group.reduce_gradients()
+            if self.group.reshard_after_backward:
+                self.group.reshard()
+
+    def _finish_backward(self) -> None:
+        """The root's final autograd callback: reduce what did not reduce, return to IDLE."""
+        ctx = self.ctx
+        for state in ctx.states:
+            if state.machine.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
+                state._post_backward()
+            state.machine.advance(PhaseEvent.FINALIZE)
+        ctx.final_callback_queued = False
+        if ctx.is_last_backward:
+            ctx.post_forward_order.clear()
+
+    def reset_iter_state(self) -> None:
+        """Return every group under this root to IDLE and sharded after an aborted step."""
+        for state in self.ctx.states if self.ctx else [self]:
+            state.machine.reset()
+            state._modules_to_run.clear()
+            if state.group is not None:
+                state.group.reshard()
+                for p in state.group.params:
+                    if p.unsharded_param is not None:
+                        p.unsharded_param.grad = None
+                    p.accumulated_grad = None
+        if self.ctx:
+            self.ctx.forward_root = None
+            self.ctx.final_callback_queued = False
+            self.ctx.post_forward_order.clear()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a group's forward inputs; its backward runs once the group's gradients exist."""
+
+    @staticmethod
+    def forward(ctx, state: GroupState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state._post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def attach(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not where:
+            return args, kwargs  # the root's final callback will reduce this group
+        outs = _PostBackward.apply(state, *(flat[i] for i in where))
+        for i, out in zip(where, outs):
+            flat[i] = out
+        return tree_unflatten(flat, spec)
+
+
+def state_of(module: nn.Module) -> GroupState | None:
+    return module.__dict__.get("_shardkit_state")
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts and dataclasses (model outputs)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from iter_tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_tensors(x)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+def _name_params(root_module: nn.Module, states: list[GroupState]) -> None:
+    """Give every sharded parameter its FQN under the root, for error messages and traces."""
+    by_param = {id(p.sharded_param): p for s in states if s.group for p in s.group.params}
+    for fqn, param in root_module.named_parameters(remove_duplicate=False):
+        if id(param) in by_param:
+            by_param[id(param)].fqn = fqn

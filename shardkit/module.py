@@ -1,0 +1,158 @@
+"""FSDPModule: the methods a module gains from ``fully_shard`` (FSDP2's names and semantics)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from shardkit.hooks import GroupState, state_of
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to.
+
+    ``fully_shard(block)`` changes ``type(block)`` to ``FSDPBlock(FSDPModule, Block)``, so
+    ``isinstance(block, FSDPModule)`` holds and these methods are available.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Code that rebuilds a module from its class (nn.Sequential slicing) gets the original class.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _shardkit(self) -> GroupState:
+        return state_of(self)
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gather this module's parameters (not recursive). With ``async_op=True``, return a
+        handle; the module's next forward waits for it if ``wait()`` was not called."""
+        group = self._shardkit().group
+        if group is not None:
+            group.unshard(async_op=async_op)
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (not recursive)."""
+        group = self._shardkit().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False`` accumulates unreduced gradients locally (no communication) until set back."""
+        for group in _groups(self, recurse):
+            group.reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: skip the all-reduce across replicas. A no-op for 1-D meshes."""
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for module in _fsdp_modules(self, recurse):
+            state = module._shardkit()
+            state.reshard_after_forward = state.reshard_after_forward_arg = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for group in _groups(self, recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the step (for microbatching)."""
+        state = self._shardkit()
+        if state.ctx is not None:
+            state.ctx.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """After this module's all-gather in forward, issue those modules' all-gathers."""
+        self._shardkit().forward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "forward")]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """After this module's all-gather in backward, issue those modules' all-gathers."""
+        self._shardkit().backward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "backward")]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
+        group = self._shardkit().group
+        if group is not None:
+            group.gradient_divide_factor = factor
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2 compatibility: shardkit always reduces unused parameters with
+        zero gradients (and leaves ``.grad`` None where no rank used one)."""
+
+    def reset_iter_state(self) -> None:
+        """After an exception inside forward or backward: reshard everything and return every
+        group to IDLE; the failed step's gradients are dropped. Call on the root."""
+        state = self._shardkit()
+        if state.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        state.reset_iter_state()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # .to()/.to_empty()/.cuda() replace the data of our sharded parameters: re-derive the shards.
+        self.reshard()
+        result = super()._apply(*args, **kwargs)
+        group = self._shardkit().group
+        if group is not None:
+            for p in group.params:
+                p.reset_from_registered()
+            group.reset_layout()
+        return result
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` makes the unsharded parameters usable."""
+
+    def __init__(self, group=None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run the pre/post-forward hooks around ``module.<method_name>`` (e.g. ``generate``) as
+    around ``forward``. A no-op if ``module`` is not an FSDPModule."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method: Callable = getattr(module, method_name)
+    state = module._shardkit()
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def _fsdp_modules(module: FSDPModule, recurse: bool) -> list[FSDPModule]:
+    modules = module.modules() if recurse else [module]
+    return [m for m in modules if isinstance(m, FSDPModule)]
+
+
+def _groups(module: FSDPModule, recurse: bool):
+    groups = (m._shardkit().group for m in _fsdp_modules(module, recurse))
+    return [g for g in groups if g is not None]
+
+
+def _checked_fsdp_modules(modules: list, direction: str) -> list[FSDPModule]:
+    for i, m in enumerate(modules):
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"set_modules_to_{direction}_prefetch expects modules that fully_shard was applied to, "
+                f"but modules[{i}] is a {type(m).__name__}; call fully_shard on it first."
+            )
+    return modules

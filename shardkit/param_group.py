@@ -1,0 +1,120 @@
+"""ParamGroup: the parameters of one ``fully_shard`` call, unsharded and resharded together.
+
+Its sharded/unsharded state is separate from the training phase (``state.py``): only
+``unshard`` / ``wait_for_unshard`` / ``reshard`` change it, whoever asks (hooks, prefetch, or
+the user through ``FSDPModule.unshard``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit.comm import collectives, trace
+from shardkit.comm.collectives import Bucket, PendingAllGather
+from shardkit.dtensor.sharded_param import ShardedParam, free_storage
+
+
+class ParamGroup:
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.world = mesh.size()
+        self.name = ""  # the owning modules' FQNs, set at lazy init
+        self.is_unsharded = False
+        self._pending: list[PendingAllGather] = []  # issued, not yet copied out
+        self._gathered_versions: list[int] = []  # padded-shard versions at the last unshard
+        self._buckets: list[Bucket] | None = None
+        # Knobs set through FSDPModule.set_* (FSDP2 names).
+        self.reshard_after_backward = True
+        self.reduce_grads = True
+        self.gradient_divide_factor: float | None = None
+
+    # Unshard / reshard -------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        meta = [p.fqn for p in self.params if p.device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                f"shardkit: parameters {meta} are still on the meta device at the first forward. "
+                "Materialize them first, e.g. model.to_empty(device=...) and then initialize "
+                "them (reset_parameters() or your own init)."
+            )
+        for p in self.params:
+            p.alloc_unsharded()
+        self._buckets = collectives.buckets_by_dtype(self.params)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the all-gather (no-op if unsharded with fresh data or already issued)."""
+        if self._pending:
+            return
+        if self.is_unsharded:
+            if self._gathered_versions == self._shard_versions():
+                return
+            self.reshard()  # the optimizer changed the shards since we gathered: gather again
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"shardkit: cannot unshard group '{self.name or '<root>'}': torch.distributed is "
+                "not initialized (call init_process_group first, and do not destroy it while "
+                "training)."
+            )
+        if self._buckets is None:
+            self.lazy_init()
+        group = self.mesh.get_group()
+        self._pending = [collectives.all_gather(b, group, self.world, self.name, async_op) for b in self._buckets]
+
+    def wait_for_unshard(self) -> None:
+        """Finish the issued all-gather and register the unsharded parameters."""
+        if not self._pending:
+            return
+        for pending in self._pending:
+            collectives.finish_all_gather(pending, self.world)
+        self._pending = []
+        self._gathered_versions = self._shard_versions()
+        for p in self.params:
+            p.to_unsharded()
+        self.is_unsharded = True
+        trace.record("unshard", self.name)
+
+    def reshard(self) -> None:
+        """Register the sharded parameters and free the unsharded storage."""
+        if self._pending:
+            self.wait_for_unshard()
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.to_sharded()
+            free_storage(p.unsharded_flat)
+        self.is_unsharded = False
+        trace.record("reshard", self.name)
+
+    def _shard_versions(self) -> list[int]:
+        return [p.padded_shard._version for p in self.params]
+
+    # Gradients ---------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """After backward: one reduce-scatter per bucket, or keep grads unreduced (no sync).
+
+        Every trainable parameter takes part, with a zero gradient where this rank has none,
+        so ranks that used different parameters still issue the same collectives.
+        """
+        if self._buckets is None:
+            return  # never ran: no gradients
+        if not self.reduce_grads:
+            for p in self.params:
+                if p.requires_grad:
+                    p.accumulate_unreduced_grad()
+            return
+        group = self.mesh.get_group()
+        for bucket in self._buckets:
+            trainable = [p for p in bucket.params if p.requires_grad]
+            if not trainable:
+                continue  # frozen parameters get no reduction
+            grads = [p.take_unsharded_grad() for p in trainable]
+            sub = bucket if len(trainable) == len(bucket.params) else Bucket.of(trainable)
+            collectives.reduce_scatter(sub, grads, group, self.world, self.name, self.gradient_divide_factor)
+
+    def reset_layout(self) -> None:
+        """Forget buffer layouts after the parameters' dtype or device changed."""
+        self.reshard()
+        self._buckets = None
