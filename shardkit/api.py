@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
-from shardkit.hooks import GroupState, state_of
+from shardkit.hooks import GroupState, class_name, state_of
 from shardkit.module import FSDPModule
 from shardkit.param_group import ParamGroup
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_supported
@@ -88,7 +88,7 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
             )
         if state_of(m) is not None:
             raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                f"fully_shard was already applied to this {class_name(m)}; apply it once per module "
                 "(bottom-up: blocks first, then the root)."
             )
     return modules
@@ -198,7 +198,7 @@ def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> dict[n
                 continue
             if getattr(p, "_shardkit_owned", False):
                 raise ValueError(
-                    f"parameter '{name}' of {type(m).__name__} is already sharded by an earlier fully_shard "
+                    f"parameter '{name}' of {class_name(m)} is already sharded by an earlier fully_shard "
                     "call that contains this module. Call fully_shard bottom-up: on submodules first, "
                     "then on their parents."
                 )
@@ -214,7 +214,7 @@ def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
 
 
 def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn) -> ShardedParam:
-    where = f"'{slots[0].name}' of {type(slots[0].module).__name__}"
+    where = f"'{slots[0].name}' of {class_name(slots[0].module)}"
     if isinstance(p, DTensor):
         raise NotImplementedError(
             f"parameter {where} is already a DTensor (tensor parallel?); shardkit does not compose "

@@ -68,14 +68,14 @@ class GroupState:
         root_module = self.modules[0]
         if self.parent is not None:
             raise RuntimeError(
-                f"shardkit: {type(root_module).__name__} (a fully_shard module inside "
-                f"{type(self.parent.modules[0]).__name__}) ran forward before its root. Run the "
+                f"shardkit: {class_name(root_module)} (a fully_shard module inside "
+                f"{class_name(self.parent.modules[0])}) ran forward before its root. Run the "
                 "first forward through the root module, the one fully_shard was applied to last."
             )
         if len(self.modules) > 1:
             raise RuntimeError(
                 f"shardkit: the first forward ran through a fully_shard group of several modules "
-                f"({', '.join(type(m).__name__ for m in self.modules)}); the root must be one module "
+                f"({', '.join(class_name(m) for m in self.modules)}); the root must be one module "
                 "that contains the others: call fully_shard on the whole model too."
             )
         ctx = RootContext(self.device)
@@ -96,6 +96,13 @@ class GroupState:
                 state.reshard_after_forward = not state.is_root
             ctx.states.append(state)
         _name_params(root_module, ctx.states)
+        meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                f"shardkit: parameters {meta} are still on the meta device at the first forward. "
+                "Materialize them first: model.to_empty(device=...), then initialize them "
+                "(reset_parameters() or your own init)."
+            )
         for state in ctx.states:
             if state.group is not None:
                 state.group.name = state.name
@@ -190,9 +197,10 @@ class GroupState:
     def _finish_backward(self) -> None:
         """The root's final autograd callback: reduce what did not reduce, return to IDLE."""
         ctx = self.ctx
-        for state in ctx.states:
+        for state in reversed(ctx.states):  # backward order: blocks last-to-first, root last
             if state.machine.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
                 state._post_backward()
+        for state in ctx.states:
             state.machine.advance(PhaseEvent.FINALIZE)
         ctx.final_callback_queued = False
         if ctx.is_last_backward:
@@ -242,6 +250,12 @@ class _PostBackward(torch.autograd.Function):
 
 def state_of(module: nn.Module) -> GroupState | None:
     return module.__dict__.get("_shardkit_state")
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name, without the ``FSDP`` subclass that fully_shard swaps in."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if state_of(module) is not None else cls.__name__
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

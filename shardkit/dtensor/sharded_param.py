@@ -61,8 +61,9 @@ class ShardedParam:
     def _shard(self, full: torch.Tensor, device: torch.device) -> None:
         """Build the padded shard and the sharded DTensor parameter from a full tensor."""
         start = self.rank * self.padded_rows
+        device = full.device if full.device.type == "meta" else device  # meta stays meta until to_empty
         padded = torch.empty((self.padded_rows, *self.shape[1:]), dtype=self.dtype, device=device)
-        if padded.device.type != "meta" and full.device.type != "meta":
+        if device.type != "meta":
             with torch.no_grad():
                 padded[: self.local_rows].copy_(full[start : start + self.local_rows])
                 padded[self.local_rows :].zero_()

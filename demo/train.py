@@ -1,0 +1,213 @@
+"""Train a small character-level GPT with shardkit on 2 ranks, and show what sharding did.
+
+    torchrun --standalone --nproc-per-node 2 demo/train.py      (or: make demo)
+
+Every block is its own fully_shard group, and the root group holds the embeddings, the final
+LayerNorm and the tied head. Each rank keeps only its shard of every parameter, trains on its
+own random windows of demo/data/corpus.txt, and the gradients meet in one reduce-scatter per
+group. At the end rank 0 prints, per rank, the bytes of parameters it holds, the collectives
+per step, its peak memory, and whether the loss fell (the exit status says so too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import shardkit
+from shardkit.models import GPT, GPTConfig, apply_fully_shard
+
+DEFAULT_DATA = Path(__file__).parent / "data" / "corpus.txt"
+LOSS_WINDOW = 10  # steps averaged for the "first" and "last" loss
+MB = 1024 * 1024
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (about a minute on 2 CPU cores)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop early after this many seconds")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a plain-text file")
+    return parser.parse_args()
+
+
+def setup_distributed() -> torch.device:
+    """NCCL on this rank's GPU when there is one, else gloo on the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def load_corpus(path: Path, device: torch.device) -> tuple[torch.Tensor, list[str]]:
+    """The file as one long tensor of character ids, and the vocabulary (sorted characters)."""
+    text = path.read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    index = {ch: i for i, ch in enumerate(vocab)}
+    data = torch.tensor([index[ch] for ch in text], dtype=torch.long, device=device)  # (N,)
+    return data, vocab
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of the corpus; the targets are the inputs shifted by one character."""
+    starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)  # (B,)
+    offsets = torch.arange(block_size)  # (T,)
+    positions = (starts[:, None] + offsets[None, :]).to(data.device)  # (B, T)
+    return data[positions], data[positions + 1]  # (B, T), (B, T)
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # this rank's loss per step
+    seconds: float = 0.0
+    collectives: dict[str, shardkit.comm.trace.CollectiveStats] = field(default_factory=dict)  # summed over steps
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+
+def add_stats(totals: dict, step_summary: dict) -> None:
+    for kind, stats in step_summary.items():
+        total = totals.setdefault(kind, shardkit.comm.trace.CollectiveStats())
+        total.calls += stats.calls
+        total.nbytes += stats.nbytes
+        total.wire_nbytes += stats.wire_nbytes
+
+
+def out_of_time(deadline: float | None, device: torch.device) -> bool:
+    """All ranks must stop on the same step (or the next collective hangs), so rank clocks vote."""
+    if deadline is None:
+        return False
+    late = torch.tensor([float(time.perf_counter() > deadline)], device=device)
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def train(model: GPT, data: torch.Tensor, args: argparse.Namespace, progress: Progress | None) -> TrainResult:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # The model starts identical everywhere; the data must not, or data parallelism is pointless.
+    generator = torch.Generator().manual_seed(args.seed + 1 + dist.get_rank())
+    tokens_per_step = args.batch_size * args.block_size * dist.get_world_size()
+    task = progress.add_task("training", total=args.steps, loss=math.nan, tokens=0.0) if progress else None
+    result = TrainResult()
+    start = time.perf_counter()
+    deadline = start + args.max_seconds if args.max_seconds else None
+    with shardkit.trace() as t:
+        for _ in range(args.steps):
+            x, y = get_batch(data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            result.losses.append(loss.item())
+            add_stats(result.collectives, t.summary())
+            t.clear()  # one step's events at a time: the trace stays small however long we train
+            if progress:
+                rate = tokens_per_step * result.steps / (time.perf_counter() - start)
+                progress.update(task, advance=1, loss=result.losses[-1], tokens=rate)
+            if out_of_time(deadline, data.device):
+                break
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.item() / dist.get_world_size()
+
+
+def rank_row(model: GPT, result: TrainResult) -> dict:
+    """What this rank reports: its shard sizes, collectives per step, memory and losses."""
+    sharded_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    per_step = {kind: (s.calls / result.steps, s.nbytes / result.steps / MB) for kind, s in result.collectives.items()}
+    return {
+        "rank": dist.get_rank(),
+        "sharded_mb": sharded_bytes / MB,
+        "all_gather": per_step.get("all_gather", (0, 0.0)),
+        "reduce_scatter": per_step.get("reduce_scatter", (0, 0.0)),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
+        "first_loss": sum(result.losses[:LOSS_WINDOW]) / len(result.losses[:LOSS_WINDOW]),
+        "last_loss": sum(result.losses[-LOSS_WINDOW:]) / len(result.losses[-LOSS_WINDOW:]),
+    }
+
+
+def print_report(console: Console, rows: list[dict], result: TrainResult, first: float, last: float) -> None:
+    table = Table(title=f"shardkit: {result.steps} steps in {result.seconds:.1f} s",
+                  caption="MB: the collective's unsharded-side buffer; each rank sends (world - 1) / world of it")
+    for header in ["rank", "sharded params MB", "all-gather calls/step", "all-gather MB/step",
+                   "reduce-scatter calls/step", "reduce-scatter MB/step", "peak RSS MB", "first loss", "last loss"]:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row["rank"]), f"{row['sharded_mb']:.3f}",
+            f"{row['all_gather'][0]:g}", f"{row['all_gather'][1]:.2f}",
+            f"{row['reduce_scatter'][0]:g}", f"{row['reduce_scatter'][1]:.2f}",
+            f"{row['peak_rss_mb']:.0f}", f"{row['first_loss']:.3f}", f"{row['last_loss']:.3f}",
+        )
+    console.print(table)
+    verdict = "[green]the loss fell[/]" if last < first else "[red]the loss did NOT fall[/]"
+    console.print(f"mean loss over ranks, first {LOSS_WINDOW} steps {first:.3f} -> last {LOSS_WINDOW} steps {last:.3f}: {verdict}")
+
+
+def main() -> int:
+    args = parse_args()
+    device = setup_distributed()
+    is_main = dist.get_rank() == 0
+    console = Console()
+    data, vocab = load_corpus(args.data, device)
+    config = GPTConfig(vocab_size=len(vocab), block_size=args.block_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd)
+    # Every rank builds the same full model from the same seed; fully_shard keeps each rank's rows.
+    torch.manual_seed(args.seed)
+    model = GPT(config).to(device)
+    total_params = sum(p.numel() for p in model.parameters())  # the tied weight counts once
+    apply_fully_shard(model, shardkit.fully_shard)
+    if is_main:
+        console.print(f"GPT: {total_params:,} parameters, vocab {len(vocab)}, {config}")
+        console.print(f"{dist.get_world_size()} ranks on {device.type} ({dist.get_backend()}), "
+                      f"batch {args.batch_size} x {args.block_size} tokens per rank")
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tokens]:,.0f} tok/s")]
+    if is_main:
+        with Progress(*columns, console=console) as progress:
+            result = train(model, data, args, progress)
+    else:
+        result = train(model, data, args, None)
+
+    row = rank_row(model, result)
+    rows: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(rows, row)
+    first, last = mean_over_ranks(row["first_loss"], device), mean_over_ranks(row["last_loss"], device)
+    if is_main:
+        console.print(f"total parameters: {total_params:,}")
+        print_report(console, rows, result, first, last)
+    dist.destroy_process_group()
+    return 0 if last < first else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

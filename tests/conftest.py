@@ -1,0 +1,22 @@
+import contextlib
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0):
+    """An in-process fake process group: collectives return at once and move no data."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def mesh8() -> DeviceMesh:
+    with fake_world(8, rank=0) as mesh:
+        yield mesh

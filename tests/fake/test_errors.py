@@ -1,0 +1,151 @@
+"""Bad input gets a clear error that names the module/parameter and what to do."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from shardkit import FSDPModule, MixedPrecisionPolicy, fully_shard
+from tests.conftest import fake_world
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_fully_shard_twice_on_one_module_raises(mesh8):
+    m = Pair()
+    fully_shard(m, mesh=mesh8)
+    with pytest.raises(ValueError, match="already applied to this Pair"):
+        fully_shard(m, mesh=mesh8)
+
+
+def test_fully_shard_on_child_of_sharded_module_raises_bottom_up_hint(mesh8):
+    m = Pair()
+    fully_shard(m, mesh=mesh8)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is already sharded.*bottom-up"):
+        fully_shard(m.a, mesh=mesh8)
+
+
+def test_mesh_of_wrong_type_raises(mesh8):
+    with pytest.raises(TypeError, match="DeviceMesh, got str"):
+        fully_shard(Pair(), mesh="cpu")
+
+
+def test_mesh_of_wrong_ndim_raises():
+    with fake_world(8) as mesh:
+        mesh_2d = mesh.mesh.view(2, 4)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        with pytest.raises(NotImplementedError, match="2-D meshes"):
+            fully_shard(Pair(), mesh=DeviceMesh("cpu", mesh_2d, mesh_dim_names=("replicate", "shard")))
+        with pytest.raises(ValueError, match="1-D DeviceMesh"):
+            fully_shard(Pair(), mesh=DeviceMesh("cpu", mesh.mesh.view(2, 2, 2)))
+
+
+@pytest.mark.parametrize("value, error", [("yes", "should be None, a bool, or an int"), (3, "factor of 8"), (0, "factor of 8")])
+def test_reshard_after_forward_of_wrong_type_or_value_raises(mesh8, value, error):
+    with pytest.raises(ValueError, match=error):
+        fully_shard(Pair(), mesh=mesh8, reshard_after_forward=value)
+
+
+def test_ignored_params_not_in_module_raises(mesh8):
+    stray = nn.Parameter(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"not parameters of the module.*\(3, 2\)"):
+        fully_shard(Pair(), mesh=mesh8, ignored_params={stray})
+
+
+def test_ignored_params_are_left_alone(mesh8):
+    m = Pair()
+    kept = m.a.weight
+    fully_shard(m, mesh=mesh8, ignored_params={kept})
+    assert m.a.weight is kept and not isinstance(m.a.weight, DTensor)
+    assert isinstance(m.b.weight, DTensor)
+    m(torch.randn(2, 4)).sum().backward()
+    assert kept.grad is not None and not isinstance(kept.grad, DTensor)
+
+
+def test_params_still_on_meta_at_first_forward_raise_with_names(mesh8):
+    with torch.device("meta"):
+        m = Pair()
+    fully_shard(m.a, mesh=mesh8)
+    fully_shard(m, mesh=mesh8)
+    with pytest.raises(RuntimeError, match=r"\['a.weight', 'a.bias', 'b.weight', 'b.bias'\] are still on the meta device.*to_empty"):
+        m(torch.randn(2, 4))
+
+
+def test_child_forward_before_root_raises(mesh8):
+    m = Pair()
+    fully_shard(m.a, mesh=mesh8)
+    fully_shard(m, mesh=mesh8)
+    with pytest.raises(RuntimeError, match="Linear .*inside Pair.* ran forward before its root"):
+        m.a(torch.randn(2, 4))
+
+
+def test_prefetch_with_non_fsdp_module_raises(mesh8):
+    m = Pair()
+    fully_shard(m.a, mesh=mesh8)
+    fully_shard(m, mesh=mesh8)
+    with pytest.raises(ValueError, match=r"modules\[1\] is a Linear; call fully_shard on it first"):
+        m.set_modules_to_forward_prefetch([m.a, m.b])
+    with pytest.raises(ValueError, match="set_modules_to_backward_prefetch"):
+        m.set_modules_to_backward_prefetch([m.b])
+
+
+def test_unshard_after_process_group_is_gone_raises():
+    with fake_world(4) as mesh:
+        m = Pair()
+        fully_shard(m, mesh=mesh)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        m.unshard()
+
+
+def test_fully_shard_without_process_group_or_mesh_raises(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fully_shard(Pair())
+
+
+def test_module_without_parameters_is_fine(mesh8):
+    relu = fully_shard(nn.ReLU(), mesh=mesh8)
+    assert isinstance(relu, FSDPModule)
+    x = torch.randn(3, requires_grad=True)
+    relu(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_scalar_parameter_raises_with_name(mesh8):
+    m = Pair()
+    m.scale = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="scalar parameter 'scale' of Pair"):
+        fully_shard(m, mesh=mesh8)
+
+
+def test_not_a_module_and_containers_without_forward_raise(mesh8):
+    with pytest.raises(TypeError, match="nn.Module or a non-empty list"):
+        fully_shard(torch.zeros(3), mesh=mesh8)
+    with pytest.raises(TypeError, match="nn.Module or a non-empty list"):
+        fully_shard([], mesh=mesh8)
+    with pytest.raises(ValueError, match="containers that do not implement forward: ModuleList"):
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh8)
+
+
+def test_mixed_precision_not_yet_supported_raises(mesh8):
+    with pytest.raises(NotImplementedError, match="mixed precision"):
+        fully_shard(Pair(), mesh=mesh8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+def test_deepcopy_of_sharded_module_raises(mesh8):
+    import copy
+
+    m = fully_shard(Pair(), mesh=mesh8)
+    with pytest.raises(AssertionError, match="state dict"):
+        copy.deepcopy(m)

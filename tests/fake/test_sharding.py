@@ -1,0 +1,151 @@
+"""Placements, local shapes and collective counts on a fake process group (no values)."""
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+from torch.distributed.tensor import DTensor, Shard
+
+import shardkit
+from shardkit import FSDPModule, fully_shard
+from shardkit.dtensor.placements import chunk_sizes
+from tests.conftest import fake_world
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 3 * dim)
+        self.down = nn.Linear(3 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 13, n_blocks: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def sharded_net(mesh, **kwargs) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def step(net: Net) -> shardkit.Trace:
+    with shardkit.trace() as t:
+        net(torch.randn(2, 5)).sum().backward()
+    return t
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 64])
+@pytest.mark.parametrize("rank_of", ["first", "last"])
+def test_params_are_shard0_dtensors_with_chunk_sizes(world, rank_of):
+    rank = 0 if rank_of == "first" else world - 1
+    torch.manual_seed(0)
+    shapes = {n: p.shape for n, p in Net().named_parameters()}
+    with fake_world(world, rank) as mesh:
+        net = sharded_net(mesh)
+        for name, p in net.named_parameters():
+            assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), name
+            assert p.placements == (Shard(0),) and p.device_mesh == mesh
+            assert p.shape == shapes[name]
+            rows = chunk_sizes(shapes[name][0], world)[rank]
+            assert p.to_local().shape == (rows, *shapes[name][1:]), name
+        assert isinstance(net, FSDPModule) and isinstance(net, Net)
+        assert all(isinstance(b, FSDPModule) for b in net.blocks)
+
+
+@pytest.mark.parametrize("world", [2, 8, 64])
+def test_one_all_gather_and_one_reduce_scatter_per_group(world):
+    with fake_world(world) as mesh:
+        net = sharded_net(mesh)
+        counts = {}
+        for e in step(net).collectives():
+            counts[(e.kind, e.group)] = counts.get((e.kind, e.group), 0) + 1
+        blocks = [f"blocks.{i}" for i in range(3)]
+        # Blocks gather in forward and again in backward; the root keeps its parameters.
+        assert counts == {
+            ("all_gather", ""): 1,
+            **{("all_gather", b): 2 for b in blocks},
+            **{("reduce_scatter", b): 1 for b in blocks},
+            ("reduce_scatter", ""): 1,
+        }
+
+
+def test_reshard_after_forward_false_skips_backward_all_gathers():
+    with fake_world(8) as mesh:
+        kept = step(sharded_net(mesh, reshard_after_forward=False)).summary()
+    with fake_world(8) as mesh:
+        freed = step(sharded_net(mesh, reshard_after_forward=True)).summary()
+    assert (kept["all_gather"].calls, freed["all_gather"].calls) == (4, 7)
+    assert kept["reduce_scatter"].calls == freed["reduce_scatter"].calls == 4
+
+
+def test_all_gather_bytes_are_padded_parameter_bytes():
+    with fake_world(8) as mesh:
+        net = sharded_net(mesh)
+        t = step(net)
+    block = Block(13)
+    # Each parameter is padded to 8 * ceil(rows / 8) rows.
+    padded = sum(8 * -(-p.shape[0] // 8) * p[0].numel() for p in block.parameters())
+    gathers = [e for e in t.collectives("all_gather") if e.group == "blocks.0"]
+    assert [e.numel for e in gathers] == [padded, padded]
+    assert [e.dtype for e in gathers] == [torch.float32] * 2
+
+
+def test_outside_steps_module_holds_sharded_params_and_state_dict_is_sharded():
+    with fake_world(4) as mesh:
+        net = sharded_net(mesh)
+        step(net)
+        assert all(isinstance(p, DTensor) for p in net.parameters())
+        state = net.state_dict()
+        torch.manual_seed(0)
+        assert list(state) == list(Net().state_dict())
+        assert all(isinstance(v, DTensor) for v in state.values())
+
+
+def test_schedule_of_three_blocks_is_pinned():
+    with fake_world(2) as mesh:
+        net = sharded_net(mesh)
+        t = step(net)
+    assert_expected_inline(t.format(kinds=("all_gather", "reduce_scatter", "unshard", "reshard")), """\
+all_gather <root> float32 numel=140 world=2
+unshard <root>
+all_gather blocks.0 float32 numel=1148 world=2
+unshard blocks.0
+reshard blocks.0
+all_gather blocks.1 float32 numel=1148 world=2
+unshard blocks.1
+reshard blocks.1
+all_gather blocks.2 float32 numel=1148 world=2
+unshard blocks.2
+reshard blocks.2
+all_gather blocks.2 float32 numel=1148 world=2
+unshard blocks.2
+reduce_scatter blocks.2 float32 numel=1160 world=2
+reshard blocks.2
+all_gather blocks.1 float32 numel=1148 world=2
+unshard blocks.1
+reduce_scatter blocks.1 float32 numel=1160 world=2
+reshard blocks.1
+all_gather blocks.0 float32 numel=1148 world=2
+unshard blocks.0
+reduce_scatter blocks.0 float32 numel=1160 world=2
+reshard blocks.0
+reduce_scatter <root> float32 numel=148 world=2
+reshard <root>""")
