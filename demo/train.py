@@ -31,7 +31,7 @@ from shardkit.models import GPT, GPTConfig, apply_fully_shard
 
 DEFAULT_DATA = Path(__file__).parent / "data" / "corpus.txt"
 LOSS_WINDOW = 10  # steps averaged for the "first" and "last" loss
-MB = 1024 * 1024
+MiB = 1024 * 1024
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,10 +142,10 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
 def rank_row(model: GPT, result: TrainResult) -> dict:
     """What this rank reports: its shard sizes, collectives per step, memory and losses."""
     sharded_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    per_step = {kind: (s.calls / result.steps, s.nbytes / result.steps / MB) for kind, s in result.collectives.items()}
+    per_step = {kind: (s.calls / result.steps, s.nbytes / result.steps / MiB) for kind, s in result.collectives.items()}
     return {
         "rank": dist.get_rank(),
-        "sharded_mb": sharded_bytes / MB,
+        "sharded_mb": sharded_bytes / MiB,
         "all_gather": per_step.get("all_gather", (0, 0.0)),
         "reduce_scatter": per_step.get("reduce_scatter", (0, 0.0)),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
@@ -156,20 +156,23 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
 
 def print_report(console: Console, rows: list[dict], result: TrainResult, first: float, last: float) -> None:
     table = Table(title=f"shardkit: {result.steps} steps in {result.seconds:.1f} s",
-                  caption="MB: the collective's unsharded-side buffer; each rank sends (world - 1) / world of it")
-    for header in ["rank", "sharded params MB", "all-gather calls/step", "all-gather MB/step",
-                   "reduce-scatter calls/step", "reduce-scatter MB/step", "peak RSS MB", "first loss", "last loss"]:
+                  caption="collective MiB: the unsharded-side buffer; each rank sends (world - 1) / world of it")
+    for header in ["rank", "sharded\nparams", "all-gather\nper step", "reduce-scatter\nper step",
+                   "peak\nRSS", "first\nloss", "last\nloss"]:
         table.add_column(header, justify="right")
     for row in rows:
         table.add_row(
-            str(row["rank"]), f"{row['sharded_mb']:.3f}",
-            f"{row['all_gather'][0]:g}", f"{row['all_gather'][1]:.2f}",
-            f"{row['reduce_scatter'][0]:g}", f"{row['reduce_scatter'][1]:.2f}",
-            f"{row['peak_rss_mb']:.0f}", f"{row['first_loss']:.3f}", f"{row['last_loss']:.3f}",
+            str(row["rank"]), f"{row['sharded_mb']:.2f} MiB",
+            _calls_and_size(*row["all_gather"]), _calls_and_size(*row["reduce_scatter"]),
+            f"{row['peak_rss_mb']:.0f} MiB", f"{row['first_loss']:.3f}", f"{row['last_loss']:.3f}",
         )
     console.print(table)
     verdict = "[green]the loss fell[/]" if last < first else "[red]the loss did NOT fall[/]"
-    console.print(f"mean loss over ranks, first {LOSS_WINDOW} steps {first:.3f} -> last {LOSS_WINDOW} steps {last:.3f}: {verdict}")
+    console.print(f"mean loss over ranks, first {LOSS_WINDOW} steps {first:.3f}, last {LOSS_WINDOW} steps {last:.3f}: {verdict}")
+
+
+def _calls_and_size(calls: float, mebibytes: float) -> str:
+    return f"{calls:g} calls\n{mebibytes:.2f} MiB"
 
 
 def main() -> int:

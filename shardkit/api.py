@@ -21,6 +21,10 @@ from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_support
 _fsdp_classes: dict[type, type] = {}  # original class -> its FSDP subclass, made once
 
 
+class AlreadyShardedError(ValueError, AssertionError):
+    """fully_shard applied twice to one module (FSDP2 raises AssertionError here)."""
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -64,6 +68,8 @@ def fully_shard(
     slots = _param_slots(managed, ignored)
     _move_buffers(managed, device)
     params = [_shard_param(p, s, mesh, device, shard_placement_fn) for p, s in slots.items()]
+    for original in slots:  # other modules may still hold the original (tied) parameter
+        original._shardkit_sharded_by = class_name(modules[0])
     group = ParamGroup(params, mesh) if params else None
     state = GroupState(modules, group, reshard_after_forward, device)
     for p in params:
@@ -87,7 +93,7 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
                 "Call it on each module inside, or pass them as a list to make one group."
             )
         if state_of(m) is not None:
-            raise ValueError(
+            raise AlreadyShardedError(
                 f"fully_shard was already applied to this {class_name(m)}; apply it once per module "
                 "(bottom-up: blocks first, then the root)."
             )
@@ -196,6 +202,13 @@ def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> dict[n
         for name, p in m._parameters.items():
             if p is None or p in ignored:
                 continue
+            if (owner := getattr(p, "_shardkit_sharded_by", None)) is not None:
+                raise ValueError(
+                    f"parameter '{name}' of {class_name(m)} is shared with a parameter that the earlier "
+                    f"fully_shard call on {owner} already sharded (tied weights?). Put the modules that "
+                    "share it in one group: fully_shard([module_a, module_b]), or leave both to their "
+                    "common parent's fully_shard call."
+                )
             if getattr(p, "_shardkit_owned", False):
                 raise ValueError(
                     f"parameter '{name}' of {class_name(m)} is already sharded by an earlier fully_shard "

@@ -57,6 +57,9 @@ class GroupState:
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
+            if group is not None:  # state dicts always see the sharded parameters
+                module.register_state_dict_pre_hook(lambda *_: group.reshard())
+                module._register_load_state_dict_pre_hook(lambda *_: group.reshard())
 
     @property
     def name(self) -> str:

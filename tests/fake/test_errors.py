@@ -149,3 +149,26 @@ def test_deepcopy_of_sharded_module_raises(mesh8):
     m = fully_shard(Pair(), mesh=mesh8)
     with pytest.raises(AssertionError, match="state dict"):
         copy.deepcopy(m)
+
+
+def test_weight_tied_across_two_groups_raises_with_fix(mesh8):
+    m = Pair()
+    m.b.weight = m.a.weight  # tied
+    fully_shard(m.b, mesh=mesh8)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is shared .* fully_shard call on Linear.*fully_shard\(\[module_a, module_b\]\)"):
+        fully_shard(m, mesh=mesh8)
+
+
+def test_weight_tied_inside_one_group_is_one_sharded_param(mesh8):
+    m = Pair()
+    m.b.weight = m.a.weight
+    fully_shard(m, mesh=mesh8)
+    assert m.a.weight is m.b.weight and isinstance(m.a.weight, DTensor)
+    m(torch.randn(2, 4)).sum().backward()
+    assert m.a.weight.grad is not None
+
+
+def test_fully_shard_twice_raises_what_fsdp2_code_catches(mesh8):
+    m = fully_shard(Pair(), mesh=mesh8)
+    with pytest.raises(AssertionError):  # FSDP2's exception type, for code written against it
+        fully_shard(m, mesh=mesh8)

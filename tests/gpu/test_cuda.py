@@ -1,0 +1,84 @@
+"""CUDA paths (device placement, NCCL, storage freeing on the caching allocator), world 1.
+
+Skipped without CUDA; run on a GPU machine with ``pytest tests/gpu``.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from shardkit import fully_shard
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def cuda_mesh():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29611")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield init_device_mesh("cuda", (1,))
+    dist.destroy_process_group()
+
+
+def mlp(device="cpu") -> nn.Sequential:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 3))
+
+
+def shard(model, mesh):
+    for block in model[:4]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def test_cuda_training_matches_reference_and_moves_inputs(cuda_mesh):
+    ref = mlp("cuda")
+    model = shard(copy.deepcopy(mlp("cpu")), cuda_mesh)  # fully_shard moves shards to the GPU
+    assert all(isinstance(p, DTensor) and p.device.type == "cuda" for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        loss = model(x).square().mean()  # CPU input: the root moves it to the GPU
+        loss.backward()
+        ref_loss = ref(x.cuda()).square().mean()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_cuda_reshard_frees_unsharded_memory(cuda_mesh):
+    model = shard(mlp("cpu"), cuda_mesh)
+    model(torch.randn(2, 64)).sum().backward()
+    torch.cuda.synchronize()
+    block = model[0]
+    block.unshard()
+    before = torch.cuda.memory_allocated()
+    block.reshard()
+    freed = before - torch.cuda.memory_allocated()
+    assert freed >= 64 * 64 * 4  # the block's weight at least
+
+
+def test_cuda_meta_init_then_to_empty(cuda_mesh):
+    with torch.device("meta"):
+        model = mlp("meta")
+    shard(model, cuda_mesh)
+    model.to_empty(device="cuda")
+    for p in model.parameters():
+        nn.init.normal_(p.to_local())
+    out = model(torch.randn(2, 64, device="cuda"))
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
