@@ -12,6 +12,7 @@ per step, its peak memory, and whether the loss fell (the exit status says so to
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import resource
@@ -175,9 +176,8 @@ def _calls_and_size(calls: float, mebibytes: float) -> str:
     return f"{calls:g} calls\n{mebibytes:.2f} MiB"
 
 
-def main() -> int:
-    args = parse_args()
-    device = setup_distributed()
+def run(args: argparse.Namespace, device: torch.device) -> bool:
+    """Build, shard, train and report; True if the loss fell."""
     is_main = dist.get_rank() == 0
     console = Console()
     data, vocab = load_corpus(args.data, device)
@@ -208,8 +208,20 @@ def main() -> int:
     if is_main:
         console.print(f"total parameters: {total_params:,}")
         print_report(console, rows, result, first, last)
+    return last < first
+
+
+def main() -> int:
+    args = parse_args()
+    device = setup_distributed()
+    loss_fell = run(args, device)
+    # The sharded parameters hold the device mesh, which holds the process group. If the group
+    # outlives destroy_process_group (the model's hook cycles wait for the garbage collector),
+    # gloo tears it down at interpreter exit and can abort while the peer rank is still
+    # connected ("terminate called without an active exception"). So free it all first.
+    gc.collect()
     dist.destroy_process_group()
-    return 0 if last < first else 1
+    return 0 if loss_fell else 1
 
 
 if __name__ == "__main__":

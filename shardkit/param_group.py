@@ -7,13 +7,38 @@ the user through ``FSDPModule.unshard``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.comm import collectives, trace
 from shardkit.comm.collectives import Bucket, PendingAllGather
 from shardkit.dtensor.sharded_param import ShardedParam, free_storage
+
+
+# Groups whose unsharded parameters (or an issued all-gather) exist right now. Any optimizer
+# step marks them stale: the next unshard gathers again instead of reusing pre-step values
+# (a root kept unsharded by an eval forward, or reshard_after_backward=False). torch's
+# foreach and fused optimizers do not bump the parameters' version counters, so a step hook
+# is the one reliable signal.
+_live_unsharded: "weakref.WeakSet[ParamGroup]" = weakref.WeakSet()
+
+
+def _mark_live_unsharded_stale(optimizer, args, kwargs) -> None:
+    for group in list(_live_unsharded):
+        group.stale = True
+
+
+_step_hook = None
+
+
+def _install_step_hook_once() -> None:
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_mark_live_unsharded_stale)
 
 
 class ParamGroup:
@@ -24,8 +49,10 @@ class ParamGroup:
         self.name = ""  # the owning modules' FQNs, set at lazy init
         self.is_unsharded = False
         self._pending: list[PendingAllGather] = []  # issued, not yet copied out
-        self._gathered_versions: list[int] = []  # padded-shard versions at the last unshard
+        self._gathered_versions: list[int] = []  # padded-shard versions when we last gathered
         self._buckets: list[Bucket] | None = None
+        self.stale = False  # an optimizer stepped since we gathered
+        _install_step_hook_once()
         # Knobs set through FSDPModule.set_* (FSDP2 names).
         self.reshard_after_backward = True
         self.reduce_grads = True
@@ -45,13 +72,11 @@ class ParamGroup:
         self._buckets = collectives.buckets_by_dtype(self.params)
 
     def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather (no-op if unsharded with fresh data or already issued)."""
-        if self._pending:
-            return
-        if self.is_unsharded:
-            if self._gathered_versions == self._shard_versions():
+        """Issue the all-gather (no-op if already issued or unsharded, with fresh data)."""
+        if self._pending or self.is_unsharded:
+            if not self.stale and self._gathered_versions == self._shard_versions():
                 return
-            self.reshard()  # the optimizer changed the shards since we gathered: gather again
+            self.reshard()  # the shards changed since we gathered: gather again
         if not dist.is_initialized():
             raise RuntimeError(
                 f"shardkit: cannot unshard group '{self.name or '<root>'}': torch.distributed is "
@@ -62,6 +87,9 @@ class ParamGroup:
             self.lazy_init()
         group = self.mesh.get_group()
         self._pending = [collectives.all_gather(b, group, self.world, self.name, async_op) for b in self._buckets]
+        self._gathered_versions = self._shard_versions()
+        self.stale = False
+        _live_unsharded.add(self)
 
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
@@ -70,7 +98,6 @@ class ParamGroup:
         for pending in self._pending:
             collectives.finish_all_gather(pending, self.world)
         self._pending = []
-        self._gathered_versions = self._shard_versions()
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
@@ -80,6 +107,7 @@ class ParamGroup:
         """Register the sharded parameters and free the unsharded storage."""
         if self._pending:
             self.wait_for_unshard()
+        _live_unsharded.discard(self)
         if not self.is_unsharded:
             return
         for p in self.params:
@@ -89,7 +117,8 @@ class ParamGroup:
         trace.record("reshard", self.name)
 
     def _shard_versions(self) -> list[int]:
-        return [p.padded_shard._version for p in self.params]
+        """In-place edits of the sharded parameters outside an optimizer step bump these."""
+        return [p.sharded_param._version for p in self.params]
 
     # Gradients ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

@@ -25,6 +25,10 @@ import torch.distributed as dist
 from shardkit.comm import trace
 from shardkit.dtensor.sharded_param import ShardedParam, alloc_storage
 
+# torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class Bucket:
@@ -70,7 +74,7 @@ def all_gather(bucket: Bucket, group: dist.ProcessGroup, world: int, name: str, 
         output = send.new_empty(world * bucket.per_rank)  # (world * per_rank,)
     trace.record("all_gather", name, dtype=bucket.dtype, numel=output.numel(), world=world)
     with _preserve_versions(bucket):
-        work = dist.all_gather_single(output, send, group=group, async_op=async_op)
+        work = _all_gather_single(output, send, group=group, async_op=async_op)
     return PendingAllGather(bucket, output, work)
 
 
@@ -109,7 +113,7 @@ def reduce_scatter(
     send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
     output = send.new_empty(bucket.per_rank + len(params))
     trace.record("reduce_scatter", name, dtype=bucket.dtype, numel=send.numel(), world=world)
-    dist.reduce_scatter_single(output, send.view(-1), op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(output, send.view(-1), op=dist.ReduceOp.SUM, group=group)
     reduced = output[: bucket.per_rank]
     reduced.div_(divide_factor or world)
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on

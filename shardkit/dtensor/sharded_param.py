@@ -81,7 +81,7 @@ class ShardedParam:
         local = registered._local_tensor
         if local.device.type == "meta":
             padded = local.new_empty((self.padded_rows, *self.shape[1:]))
-        elif local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
+        elif _backs(self.padded_shard, local):
             padded = self.padded_shard  # nothing moved
         else:
             padded = local.new_zeros((self.padded_rows, *self.shape[1:]))  # (padded_rows, *rest)
@@ -155,6 +155,13 @@ def alloc_storage(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     if t.untyped_storage().size() != nbytes:
         t.untyped_storage().resize_(nbytes)
+
+
+def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether ``padded`` still holds ``local``'s data (an empty local shard has no pointer)."""
+    if padded.device != local.device or padded.dtype != local.dtype:
+        return False
+    return local.numel() == 0 or padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

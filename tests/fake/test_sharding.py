@@ -149,3 +149,26 @@ reduce_scatter blocks.0 float32 numel=1160 world=2
 reshard blocks.0
 reduce_scatter <root> float32 numel=148 world=2
 reshard <root>""")
+
+
+@pytest.mark.parametrize("update", ["foreach_adamw", "fused_adamw", "in_place_add"])
+def test_root_kept_unsharded_is_gathered_again_after_params_change(update):
+    with fake_world(4) as mesh:
+        net = sharded_net(mesh)
+        step(net)
+        sharded = list(net.parameters())  # what an optimizer holds
+        with torch.no_grad():
+            net(torch.randn(2, 5))  # the root keeps its parameters unsharded
+        with shardkit.trace() as unchanged, torch.no_grad():
+            net(torch.randn(2, 5))
+        if update == "in_place_add":
+            with torch.no_grad():
+                for p in sharded:
+                    p.add_(1.0)
+        else:
+            torch.optim.AdamW(sharded, lr=0.1, **{update.split("_")[0]: True}).step()
+        with shardkit.trace() as changed, torch.no_grad():
+            net(torch.randn(2, 5))
+    root_gathers = lambda t: [e for e in t.collectives("all_gather") if e.group == ""]
+    assert len(root_gathers(unchanged)) == 0
+    assert len(root_gathers(changed)) == 1

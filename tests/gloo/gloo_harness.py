@@ -7,8 +7,10 @@ of outcomes ("passed" or a traceback) after each check, so a crash or a hang sti
 the outcomes so far. Each pytest item then asserts one check's outcome on every rank.
 
 A check must keep the ranks in step: it makes every pass/fail decision on values that are
-equal on all ranks (all-reduced losses, full tensors) or after its last collective. After
-each check the ranks compare check names; if they are out of step, the rest is not run.
+equal on all ranks (all-reduced losses, full tensors) or after its last collective, and it
+communicates only over its own mesh, a fresh process group. A check that raises on one rank
+only leaves the other blocked on that group until CHECK_TIMEOUT_S; then the ranks meet
+again on the default group and go on with the next check.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-COLLECTIVE_TIMEOUT_S = 20  # a collective one rank never joins raises after this long
+CHECK_TIMEOUT_S = 10  # a check's collective that another rank never joins raises after this long
+SYNC_TIMEOUT_S = 60  # ranks wait this long for each other between checks: longer than the above
 PASSED = "passed"
 IMPLS = ("shardkit", "torch")  # torch: torch.distributed.fsdp.fully_shard, to validate the check
 
@@ -68,11 +71,14 @@ def run_worker(checks: Checks) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=timedelta(seconds=SYNC_TIMEOUT_S),
     )
-    mesh = init_device_mesh("cpu", (world,))
     outcomes: dict[str, str] = {}
     for case in checks.cases():
+        # A fresh process group per check: a collective left unmatched by a failing check
+        # cannot pair with the next check's, and only times out on its own group.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
+        mesh = DeviceMesh.from_group(group, "cpu")
         try:
             checks.run(case, mesh)
             outcomes[str(case)] = PASSED

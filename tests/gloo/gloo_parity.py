@@ -2,8 +2,8 @@
 
 Both start from the same weights (the reference is a deepcopy taken before sharding) and
 see the same global batch: the reference the whole batch, each rank its ``torch.chunk`` of
-it. Losses are compared every step (the sharded one averaged over ranks), parameters by
-name at the end (``full_tensor()`` of the sharded ones).
+it. Losses and gradients are compared every step (the sharded loss averaged over ranks),
+parameters by name at the end (``full_tensor()`` of the sharded ones).
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import shardkit
+from shardkit.models.gpt import GPT, GPTConfig
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+# Adam moves a parameter by about lr * sign(grad) even where the gradient is only rounding
+# noise (a key bias, whose exact gradient is 0), so the sharded and reference runs would part
+# by lr wherever their summation orders differ. eps=1e-5 damps those updates; gradients are
+# compared directly every step, since Adam would also hide a wrongly scaled gradient.
+OPTIM = dict(lr=1e-2, eps=1e-5)
 FULLY_SHARD = {"shardkit": shardkit.fully_shard, "torch": torch_fully_shard}
 Batch = tuple[torch.Tensor, ...]
 
@@ -65,6 +71,20 @@ def stack_batches(n: int, size: int = 8, seed: int = 1) -> list[Batch]:
     return [(torch.randn(size, 8, generator=g), torch.randn(size, 3, generator=g)) for _ in range(n)]
 
 
+def small_gpt() -> GPT:
+    return GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0, tie_weights=True))
+
+
+def gpt_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    idx, targets = batch
+    return model(idx, targets)[1]
+
+
+def gpt_batches(n: int, size: int = 4, seed: int = 1) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, 65, (size, 16), generator=g) for _ in range(2)) for _ in range(n)]
+
+
 def shard_blocks_then_root(impl: str, mesh: DeviceMesh, **kwargs) -> Callable[[nn.Module], None]:
     def shard(model: nn.Module) -> None:
         for block in model.blocks:
@@ -79,10 +99,17 @@ def local(batch: Batch, mesh: DeviceMesh) -> Batch:
     return tuple(t.chunk(mesh.size())[mesh.get_local_rank()] for t in batch)
 
 
-def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+def mean_over_ranks(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     t = t.detach().clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
+    dist.all_reduce(t, group=mesh.get_group())
+    return t / mesh.size()
+
+
+def gather_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's ``t`` stacked along dim 0, rank order: the global batch's rows."""
+    out = t.new_empty(mesh.size() * t.shape[0], *t.shape[1:])
+    dist.all_gather_single(out, t.contiguous(), group=mesh.get_group())
+    return out
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +175,7 @@ class Parity:
     loss_of: Callable[[nn.Module, Batch], torch.Tensor]
     opt: torch.optim.Optimizer = field(init=False)
     ref_opt: torch.optim.Optimizer = field(init=False)
-    optim_kwargs: dict = field(default_factory=lambda: dict(lr=1e-2))
+    optim_kwargs: dict = field(default_factory=lambda: dict(OPTIM))
 
     def __post_init__(self) -> None:
         self.opt = torch.optim.AdamW(self.model.parameters(), **self.optim_kwargs)
@@ -160,7 +187,7 @@ class Parity:
         model = make_model()
         ref = copy.deepcopy(model)
         shard(model)
-        return cls(model, ref, mesh, impl, loss_of, optim_kwargs=dict(lr=1e-2) | optim_kwargs)
+        return cls(model, ref, mesh, impl, loss_of, optim_kwargs=OPTIM | optim_kwargs)
 
     def forward_backward(self, batch: Batch, scale: float = 1.0) -> Pass:
         with count_collectives(self.impl) as forward:
@@ -169,7 +196,7 @@ class Parity:
             loss.backward()
         ref_loss = self.loss_of(self.ref, batch) * scale
         ref_loss.backward()
-        return Pass(mean_over_ranks(loss), ref_loss.detach(), forward, backward)
+        return Pass(mean_over_ranks(loss, self.mesh), ref_loss.detach(), forward, backward)
 
     def optimizer_step(self) -> None:
         for opt in (self.opt, self.ref_opt):
@@ -178,6 +205,7 @@ class Parity:
 
     def step(self, batch: Batch) -> Pass:
         result = self.forward_backward(batch)
+        self.assert_grads_match()
         self.optimizer_step()
         return result
 
@@ -190,8 +218,20 @@ class Parity:
         return passes
 
     def assert_params_match(self) -> None:
-        ref = dict(self.ref.named_parameters())
-        sharded = {name: full(p.detach()) for name, p in self.model.named_parameters()}  # collectives first
-        assert list(sharded) == list(ref), f"parameter names differ: {list(sharded)} != {list(ref)}"
-        for name, p in sharded.items():
-            assert_close(p, ref[name].detach(), f"parameter {name}")
+        _assert_match(self.model, self.ref, "parameter", lambda p: p.detach())
+
+    def assert_grads_match(self, scale: float = 1.0) -> None:
+        """The sharded gradients equal ``scale`` times the reference's (None where it has None)."""
+        _assert_match(self.model, self.ref, "gradient", lambda p: p.grad, scale)
+
+
+def _assert_match(model: nn.Module, ref: nn.Module, what: str, get: Callable, scale: float = 1.0) -> None:
+    expected = {name: get(p) for name, p in ref.named_parameters()}
+    actual = {name: get(p) for name, p in model.named_parameters()}
+    assert list(actual) == list(expected), f"parameter names differ: {list(actual)} != {list(expected)}"
+    actual = {name: None if t is None else full(t) for name, t in actual.items()}  # collectives first
+    for name, t in actual.items():
+        if t is None or expected[name] is None:
+            assert t is None and expected[name] is None, f"{what} {name}: {t} but the reference has {expected[name]}"
+        else:
+            assert_close(t, expected[name] * scale, f"{what} {name}")

@@ -1,0 +1,144 @@
+"""Training on 2 gloo ranks matches a non-sharded single-process reference (AdamW, 5 steps).
+
+Every check also runs with torch's own FSDP2 (``-torch`` items): a check FSDP2 fails is
+probably a wrong check. The checks run inside the spawned ranks; see gloo_harness.py.
+"""
+
+import pytest
+import torch
+from gloo_harness import Checks, run_worker
+from gloo_parity import (
+    FULLY_SHARD, Parity, Stack, assert_close, count_collectives, full, gather_rows, gpt_batches, gpt_loss,
+    local, mean_over_ranks, shard_blocks_then_root, small_gpt, stack_batches, stack_loss,
+)
+
+from shardkit.models.gpt import apply_fully_shard
+
+STEPS = 5
+checks = Checks()
+
+
+@checks()
+def mlp_matches_reference_with_uneven_rows(mesh, impl):
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    p.train(stack_batches(STEPS))
+    p.assert_params_match()
+
+
+@checks()
+def gpt_matches_reference_with_tied_weights(mesh, impl):
+    shard = lambda m: apply_fully_shard(m, FULLY_SHARD[impl], mesh=mesh)
+    p = Parity.build(small_gpt, shard, mesh, impl, loss_of=gpt_loss)
+    assert p.model.head.weight is p.model.tok_emb.weight, "sharding untied head.weight from tok_emb.weight"
+    passes = p.train(gpt_batches(STEPS))
+    p.assert_params_match()
+    # Three groups (2 blocks, root): one all-gather each in forward, the 2 blocks again in
+    # backward (they resharded; the root did not), one reduce-scatter each.
+    counts = [(s.forward.all_gather, s.backward.all_gather, s.backward.reduce_scatter) for s in passes]
+    assert counts == [(3, 2, 3)] * STEPS, f"(forward all-gathers, backward all-gathers, reduce-scatters) per step: {counts}"
+
+
+@checks()
+def gpt_matches_reference_without_reshard_after_forward(mesh, impl):
+    shard = lambda m: apply_fully_shard(m, FULLY_SHARD[impl], mesh=mesh, reshard_after_forward=False)
+    p = Parity.build(small_gpt, shard, mesh, impl, loss_of=gpt_loss)
+    passes = p.train(gpt_batches(STEPS))
+    p.assert_params_match()
+    # No group resharded after forward, so backward gathers nothing.
+    counts = [(s.forward.all_gather, s.backward.all_gather, s.backward.reduce_scatter) for s in passes]
+    assert counts == [(3, 0, 3)] * STEPS, f"(forward all-gathers, backward all-gathers, reduce-scatters) per step: {counts}"
+
+
+@checks()
+def gradient_accumulation_matches_one_big_batch(mesh, impl):
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    for step in range(3):
+        micro_batches = stack_batches(4, seed=10 + step)
+        loss, reduce_scatters = torch.zeros(()), []
+        for i, micro_batch in enumerate(micro_batches):
+            p.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            with count_collectives(impl) as counts:
+                micro_loss = stack_loss(p.model, local(micro_batch, mesh)) / len(micro_batches)
+                micro_loss.backward()
+            loss += micro_loss.detach()
+            reduce_scatters.append(counts.reduce_scatter)
+        big_batch = tuple(torch.cat(ts) for ts in zip(*micro_batches))
+        ref_loss = stack_loss(p.ref, big_batch)  # the mean of the 4 micro-batch means
+        ref_loss.backward()
+        p.assert_grads_match()
+        p.optimizer_step()
+        assert_close(mean_over_ranks(loss, mesh), ref_loss.detach(), f"loss at step {step}")
+        assert reduce_scatters == [0, 0, 0, 3], f"reduce-scatters per micro-batch at step {step}: {reduce_scatters}"
+    p.assert_params_match()
+
+
+@checks()
+def grouped_modules_all_gather_once_per_forward(mesh, impl):
+    def shard(model):
+        FULLY_SHARD[impl]([model.blocks[0], model.blocks[1]], mesh=mesh)
+        FULLY_SHARD[impl](model, mesh=mesh)
+
+    p = Parity.build(Stack, shard, mesh, impl)
+    passes = p.train(stack_batches(STEPS))
+    p.assert_params_match()
+    # Two groups: the blocks together, and the root.
+    counts = [(s.forward.all_gather, s.backward.all_gather, s.backward.reduce_scatter) for s in passes]
+    assert counts == [(2, 1, 2)] * STEPS, f"(forward all-gathers, backward all-gathers, reduce-scatters) per step: {counts}"
+
+
+@checks()
+def unused_parameter_keeps_no_grad_under_weight_decay(mesh, impl):
+    p = Parity.build(lambda: Stack(unused=True), shard_blocks_then_root(impl, mesh), mesh, impl, weight_decay=0.1)
+    initial = {n: t.detach().clone() for n, t in p.ref.blocks[0].unused.named_parameters()}
+    for i, batch in enumerate(stack_batches(STEPS)):
+        result = p.forward_backward(batch)
+        ref_grads = [t.grad for t in p.ref.blocks[0].unused.parameters()]
+        assert ref_grads == [None, None], f"the reference's unused Linear has gradients {ref_grads}"
+        p.assert_grads_match()  # None for the unused Linear, as in the reference
+        p.optimizer_step()
+        assert_close(result.loss, result.ref_loss, f"loss at step {i}")
+    p.assert_params_match()
+    for name, t in p.model.blocks[0].unused.named_parameters():
+        assert_close(full(t.detach()), initial[name], f"unused {name} after {STEPS} steps")
+
+
+@checks()
+def no_grad_eval_between_steps_matches_reference(mesh, impl):
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    eval_batch = stack_batches(1, seed=2)[0]
+    for i, batch in enumerate(stack_batches(STEPS)):
+        result = p.step(batch)
+        assert_close(result.loss, result.ref_loss, f"loss at step {i}")
+        with torch.no_grad():
+            out, ref_out = p.model(local(eval_batch, mesh)[0]), p.ref(eval_batch[0])
+        assert_close(gather_rows(out, mesh), ref_out, f"eval output after step {i}")
+    p.assert_params_match()
+
+
+@checks()
+def meta_device_init_matches_reference(mesh, impl):
+    torch.manual_seed(0)
+    ref = Stack()
+    with torch.device("meta"):
+        model = Stack()
+    shard_blocks_then_root(impl, mesh)(model)
+    model.to_empty(device="cpu")
+    full_state = ref.state_dict()
+    rank, world = mesh.get_local_rank(), mesh.size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            chunks = full_state[name].chunk(world)  # torch.chunk rows: the Shard(0) layout
+            rows = chunks[rank] if rank < len(chunks) else full_state[name][:0]
+            param.to_local().copy_(rows)
+    p = Parity(model, ref, mesh, impl, stack_loss)
+    p.train(stack_batches(STEPS))
+    p.assert_params_match()
+
+
+@pytest.mark.parametrize("case", checks.cases(), ids=str)
+def test_training_matches_reference_on_two_ranks(gloo_outcomes, case):
+    gloo_outcomes.assert_passed(case)
+
+
+if __name__ == "__main__":
+    run_worker(checks)
