@@ -150,8 +150,13 @@ class GroupState:
         return output
 
     def _finish_forward(self, output: Any) -> None:
-        if self.group is not None and self.reshard_after_forward:
-            self.group.reshard()
+        if self.group is not None:
+            if self.reshard_after_forward:
+                self.group.reshard()
+            elif not torch.is_grad_enabled():
+                # No backward follows, so the step is over: the module shows its sharded
+                # parameters again, and keeps the gathered data for the next forward.
+                self.group.reshard(free=False)
         self.ctx.post_forward_order.append(self)
         if torch.is_grad_enabled():
             for t in iter_tensors(output):

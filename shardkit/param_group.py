@@ -47,7 +47,8 @@ class ParamGroup:
         self.mesh = mesh
         self.world = mesh.size()
         self.name = ""  # the owning modules' FQNs, set at lazy init
-        self.is_unsharded = False
+        self.is_unsharded = False  # which parameters the modules hold
+        self._holds_data = False  # whether the unsharded storage holds gathered data
         self._pending: list[PendingAllGather] = []  # issued, not yet copied out
         self._gathered_versions: list[int] = []  # padded-shard versions when we last gathered
         self._buckets: list[Bucket] | None = None
@@ -72,9 +73,11 @@ class ParamGroup:
         self._buckets = collectives.buckets_by_dtype(self.params)
 
     def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather (no-op if already issued or unsharded, with fresh data)."""
-        if self._pending or self.is_unsharded:
+        """Issue the all-gather; a no-op if one is issued or the gathered data is still fresh."""
+        if self._pending or self._holds_data:
             if not self.stale and self._gathered_versions == self._shard_versions():
+                if not self._pending:
+                    self._register_unsharded()  # data kept by reshard(free=False)
                 return
             self.reshard()  # the shards changed since we gathered: gather again
         if not dist.is_initialized():
@@ -98,23 +101,31 @@ class ParamGroup:
         for pending in self._pending:
             collectives.finish_all_gather(pending, self.world)
         self._pending = []
-        for p in self.params:
-            p.to_unsharded()
-        self.is_unsharded = True
-        trace.record("unshard", self.name)
+        self._holds_data = True
+        self._register_unsharded()
 
-    def reshard(self) -> None:
-        """Register the sharded parameters and free the unsharded storage."""
+    def reshard(self, free: bool = True) -> None:
+        """Register the sharded parameters; free the unsharded storage unless ``free=False``
+        (the data is then reused by the next unshard if no optimizer step came between)."""
         if self._pending:
             self.wait_for_unshard()
-        _live_unsharded.discard(self)
+        if self.is_unsharded:
+            for p in self.params:
+                p.to_sharded()
+            self.is_unsharded = False
+            trace.record("reshard", self.name, "" if free else "(data kept)")
+        if free and self._holds_data:
+            for p in self.params:
+                free_storage(p.unsharded_flat)
+            self._holds_data = False
+            _live_unsharded.discard(self)
+
+    def _register_unsharded(self) -> None:
         if not self.is_unsharded:
-            return
-        for p in self.params:
-            p.to_sharded()
-            free_storage(p.unsharded_flat)
-        self.is_unsharded = False
-        trace.record("reshard", self.name)
+            for p in self.params:
+                p.to_unsharded()
+            self.is_unsharded = True
+            trace.record("unshard", self.name)
 
     def _shard_versions(self) -> list[int]:
         """In-place edits of the sharded parameters outside an optimizer step bump these."""

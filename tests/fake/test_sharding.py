@@ -159,6 +159,7 @@ def test_root_kept_unsharded_is_gathered_again_after_params_change(update):
         sharded = list(net.parameters())  # what an optimizer holds
         with torch.no_grad():
             net(torch.randn(2, 5))  # the root keeps its parameters unsharded
+        assert all(isinstance(p, DTensor) for p in net.parameters())  # outside forward/backward
         with shardkit.trace() as unchanged, torch.no_grad():
             net(torch.randn(2, 5))
         if update == "in_place_add":

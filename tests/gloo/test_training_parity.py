@@ -115,6 +115,21 @@ def no_grad_eval_between_steps_matches_reference(mesh, impl):
     p.assert_params_match()
 
 
+@checks("shardkit")  # FSDP2 reuses the root's pre-step unsharded parameters here
+def eval_between_backward_and_step_does_not_reuse_stale_params(mesh, impl):
+    # The eval forward leaves the root unsharded with pre-step values; the next training
+    # forward must gather the updated shards again (any optimizer, foreach or not).
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    eval_batch = stack_batches(1, seed=3)[0]
+    for i, batch in enumerate(stack_batches(STEPS)):
+        result = p.forward_backward(batch)
+        with torch.no_grad():
+            p.model(local(eval_batch, mesh)[0])
+        p.optimizer_step()
+        assert_close(result.loss, result.ref_loss, f"loss at step {i}")
+    p.assert_params_match()
+
+
 @checks()
 def meta_device_init_matches_reference(mesh, impl):
     torch.manual_seed(0)
