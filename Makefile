@@ -1,0 +1,43 @@
+# shardkit: `make demo` trains a small GPT on 2 CPU ranks, `make test` runs the tests.
+# GPU users pick a CUDA build of torch: make demo TORCH_SPEC="torch==2.13.0+cu128" (plus their pip index).
+
+PYTHON ?= python3
+VENV ?= .venv
+# Pinned on purpose: a bare `torch` would pull a multi-GB CUDA build; 2.13.0 resolves to the CPU wheel on disk.
+TORCH_SPEC ?= torch==2.13.0
+# Extra flags for demo/train.py, e.g. make demo ARGS="--steps 100".
+ARGS ?=
+
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test accept clean distclean
+
+venv: $(STAMP)
+
+# Torch first and pinned, then the test tools, then shardkit itself with --no-deps so that
+# nothing it declares can swap the torch we chose. numpy: the CPU torch wheel does not pull it
+# in, but torch.distributed's *_object collectives (all_gather_object, ...) need it.
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install numpy rich pytest expecttest
+	$(VENV)/bin/pip install --no-deps -e .
+	touch $@
+
+# One thread per rank: the two ranks share the 2 cores.
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 demo/train.py $(ARGS)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests
+
+# Regenerate the expecttest strings pinned in the tests.
+accept: $(STAMP)
+	EXPECTTEST_ACCEPT=1 OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests
+
+clean:
+	rm -rf .pytest_cache *.egg-info build dist
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
