@@ -37,6 +37,7 @@ class Bucket:
     params: list[ShardedParam]
     shard_numels: list[int]  # padded shard elements per parameter
     per_rank: int  # sum of shard_numels: one rank's all-gather input / reduce-scatter output
+    _all_present: torch.Tensor | None = None
 
     @classmethod
     def of(cls, params: list[ShardedParam]) -> "Bucket":
@@ -46,6 +47,12 @@ class Bucket:
     @property
     def dtype(self) -> torch.dtype:
         return self.params[0].dtype
+
+    def all_present(self, device: torch.device) -> torch.Tensor:
+        """The grad-presence column when every parameter has a gradient, cached."""
+        if self._all_present is None or self._all_present.device != device:
+            self._all_present = torch.ones(len(self.params), dtype=self.dtype, device=device)
+        return self._all_present
 
 
 def buckets_by_dtype(params: list[ShardedParam]) -> list[Bucket]:
@@ -108,7 +115,12 @@ def reduce_scatter(
     result is averaged over the ``world`` ranks (like DDP), or divided by ``divide_factor``.
     """
     params = bucket.params
-    present = torch.tensor([g is not None for g in grads], dtype=bucket.dtype, device=params[0].device)
+    present = bucket.all_present(params[0].device)  # (n,) ones, made once: no host-to-device copy per step
+    if any(g is None for g in grads):
+        present = present.clone()
+        for i, g in enumerate(grads):
+            if g is None:
+                present[i] = 0
     filled = [g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p, g in zip(params, grads)]
     send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
     output = send.new_empty(bucket.per_rank + len(params))

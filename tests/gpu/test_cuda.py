@@ -41,8 +41,9 @@ def shard(model, mesh):
 
 
 def test_cuda_training_matches_reference_and_moves_inputs(cuda_mesh):
-    ref = mlp("cuda")
-    model = shard(copy.deepcopy(mlp("cpu")), cuda_mesh)  # fully_shard moves shards to the GPU
+    cpu_model = mlp("cpu")
+    ref = copy.deepcopy(cpu_model).cuda()
+    model = shard(cpu_model, cuda_mesh)  # fully_shard moves the shards to the GPU
     assert all(isinstance(p, DTensor) and p.device.type == "cuda" for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
