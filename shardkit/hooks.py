@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardkit.comm.streams import Streams
 from shardkit.param_group import ParamGroup
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
 
@@ -33,6 +34,7 @@ class RootContext:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.streams = Streams(device)
         self.states: list[GroupState] = []  # every group under the root, module order
         self.forward_root: GroupState | None = None  # whose forward opened this pass
         self.final_callback_queued = False
@@ -124,6 +126,7 @@ class GroupState:
             return args, kwargs
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
+            self.ctx.streams.sync_before_first_all_gather()
             args, kwargs = self._inputs_to_device(args, kwargs)
         self.machine.advance(PhaseEvent.PRE_FORWARD)
         self._modules_to_run = set(self.modules)
@@ -157,8 +160,8 @@ class GroupState:
                 # No backward follows, so the step is over: the module shows its sharded
                 # parameters again, and keeps the gathered data for the next forward.
                 self.group.reshard(free=False)
-        self.ctx.post_forward_order.append(self)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # a backward may follow: remember the order, hook the outputs
+            self.ctx.post_forward_order.append(self)
             for t in iter_tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)

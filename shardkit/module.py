@@ -80,6 +80,8 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
         group = self._shardkit().group
         if group is not None:
             group.gradient_divide_factor = factor

@@ -10,8 +10,9 @@ parameter's reduced rows are a view of the output.
 The reduce-scatter carries one extra column per parameter, the **grad-presence column**: 1
 where this rank produced a gradient, else 0. After the sum it tells every rank whether any
 rank used the parameter, so a parameter unused on every rank keeps ``.grad = None`` (as in
-a single process), while one unused on some ranks only is reduced with zeros there and
-never hangs them.
+a single process), while one unused on some ranks only is reduced with zeros there. (A
+whole group used on some ranks only still issues its collectives in a different order on
+different ranks; that needs a fixed reduction order and is not handled yet.)
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def buckets_by_dtype(params: list[ShardedParam]) -> list[Bucket]:
 @dataclass
 class PendingAllGather:
     bucket: Bucket
+    send: torch.Tensor  # (per_rank,): kept alive until the collective is waited for
     output: torch.Tensor  # (world * per_rank,)
     work: dist.Work | None
 
@@ -82,7 +84,7 @@ def all_gather(bucket: Bucket, group: dist.ProcessGroup, world: int, name: str, 
     trace.record("all_gather", name, dtype=bucket.dtype, numel=output.numel(), world=world)
     with _preserve_versions(bucket):
         work = _all_gather_single(output, send, group=group, async_op=async_op)
-    return PendingAllGather(bucket, output, work)
+    return PendingAllGather(bucket, send, output, work)
 
 
 def finish_all_gather(pending: PendingAllGather, world: int) -> None:
@@ -127,7 +129,7 @@ def reduce_scatter(
     trace.record("reduce_scatter", name, dtype=bucket.dtype, numel=send.numel(), world=world)
     _reduce_scatter_single(output, send.view(-1), op=dist.ReduceOp.SUM, group=group)
     reduced = output[: bucket.per_rank]
-    reduced.div_(divide_factor or world)
+    reduced.div_(world if divide_factor is None else divide_factor)
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.
     counts = output[bucket.per_rank :].tolist() if any(g is None for g in grads) else [1] * len(params)

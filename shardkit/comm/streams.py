@@ -1,13 +1,15 @@
 """The only place that knows about CUDA streams and events.
 
 [Note: buffer lifetimes]
-In this version every collective runs on the current (compute) stream, so the caching
-allocator's ordering already keeps each buffer valid until the kernels that read it have
-run: an all-gather output lives until ``reshard`` frees it, a reduce-scatter input until the
-Python reference to it is dropped after the collective was enqueued behind it. Overlap on
-separate streams (and the events and keep-alive references it needs) comes in with the
-overlap work; its methods will live here, and on CPU they stay no-ops, so fake-PG, gloo and
-CUDA runs take the same control flow.
+In this version the hooks issue every collective synchronously on the current (compute)
+stream and wait for it at once, so the caching allocator's stream order already keeps each
+buffer valid: an all-gather output lives until ``reshard`` frees it, a reduce-scatter input
+until the collective enqueued behind its producer has read it. An explicit prefetch or
+``unshard(async_op=True)`` runs on the process group's own stream (NCCL) or thread (gloo);
+its input buffer stays alive because the pending all-gather holds it until ``wait()``.
+Overlap on our own streams (and the events and keep-alive references it needs) comes with
+the overlap work; its methods will live here, and on CPU they stay no-ops, so fake-PG, gloo
+and CUDA runs take the same control flow.
 """
 
 from __future__ import annotations

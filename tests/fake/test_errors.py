@@ -172,3 +172,10 @@ def test_fully_shard_twice_raises_what_fsdp2_code_catches(mesh8):
     m = fully_shard(Pair(), mesh=mesh8)
     with pytest.raises(AssertionError):  # FSDP2's exception type, for code written against it
         fully_shard(m, mesh=mesh8)
+
+
+@pytest.mark.parametrize("factor", [0, -2.0])
+def test_gradient_divide_factor_must_be_positive(mesh8, factor):
+    m = fully_shard(Pair(), mesh=mesh8)
+    with pytest.raises(ValueError, match="positive factor"):
+        m.set_gradient_divide_factor(factor)
