@@ -46,7 +46,7 @@ class ShardedParam:
         self.mesh = mesh
         self.world, self.rank = mesh.size(), mesh.get_local_rank()
         self.shape, self.dtype = param.shape, param.dtype
-        self.requires_grad = param.requires_grad
+        self._init_requires_grad = param.requires_grad
         self.padded_rows = padded_rows(self.shape[0], self.world)
         self.local_rows = local_rows(self.shape[0], self.world, self.rank)
         self.shard_numel = self.padded_rows * row_numel(tuple(self.shape))
@@ -72,7 +72,7 @@ class ShardedParam:
     def _set_padded_shard(self, padded: torch.Tensor) -> None:
         self.padded_shard = padded  # (padded_rows, *rest)
         local = padded[: self.local_rows]  # (local_rows, *rest): what DTensor sees
-        self.sharded_param = nn.Parameter(to_dtensor(local, self.spec), requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(to_dtensor(local, self.spec), requires_grad=self._init_requires_grad)
         self.sharded_param._shardkit_owned = True  # marks "already managed" for fully_shard
 
     def reset_from_registered(self) -> None:
@@ -94,6 +94,11 @@ class ShardedParam:
         self.unsharded_param = self.unsharded_flat = None
 
     @property
+    def requires_grad(self) -> bool:
+        """Follows the sharded parameter: users freeze (``requires_grad_(False)``) what they see."""
+        return self.sharded_param.requires_grad
+
+    @property
     def device(self) -> torch.device:
         return self.padded_shard.device
 
@@ -107,6 +112,8 @@ class ShardedParam:
         free_storage(self.unsharded_flat)
 
     def to_unsharded(self) -> None:
+        if self.unsharded_param.requires_grad != self.requires_grad:
+            self.unsharded_param.requires_grad_(self.requires_grad)
         for slot in self.slots:
             slot.module._parameters[slot.name] = self.unsharded_param
 

@@ -6,6 +6,7 @@ probably a wrong check. The checks run inside the spawned ranks; see gloo_harnes
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from gloo_harness import Checks, run_worker
 from gloo_parity import (
     FULLY_SHARD, Parity, Stack, assert_close, count_collectives, full, gather_rows, gpt_batches, gpt_loss,
@@ -147,6 +148,42 @@ def meta_device_init_matches_reference(mesh, impl):
             param.to_local().copy_(rows)
     p = Parity(model, ref, mesh, impl, stack_loss)
     p.train(stack_batches(STEPS))
+    p.assert_params_match()
+
+
+class Wrapped(Stack):
+    """The Stack, with each block called through ``wrap`` (checkpointing, or twice)."""
+
+    def __init__(self, wrap: str) -> None:
+        super().__init__()
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)  # (B, 13)
+        for block in self.blocks:
+            if self.wrap == "twice":
+                x = block(block(x)) if block.lin.out_features == block.lin.in_features else block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.wrap == "reentrant_checkpoint")
+        return self.out(x)  # (B, 3)
+
+
+@checks()
+def wrapped_blocks_match_reference(mesh, impl):
+    """Activation checkpointing (both kinds) re-gathers in backward; a block called twice
+    reduces twice, and the two partial reductions add up."""
+    for wrap in ("reentrant_checkpoint", "checkpoint", "twice"):
+        p = Parity.build(lambda: Wrapped(wrap), shard_blocks_then_root(impl, mesh), mesh, impl)
+        p.train(stack_batches(3))
+        p.assert_params_match()
+
+
+@checks()
+def freezing_after_fully_shard_stops_its_updates(mesh, impl):
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    for model in (p.model, p.ref):
+        model.blocks[0].lin.weight.requires_grad_(False)
+    p.train(stack_batches(3))  # compares gradients too: None for the frozen weight
     p.assert_params_match()
 
 
