@@ -55,7 +55,8 @@ class GroupState:
         self.ctx: RootContext | None = None
         self.forward_prefetch: list[GroupState] = []
         self.backward_prefetch: list[GroupState] = []
-        self._modules_to_run: set[nn.Module] = set()
+        self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to run this forward
+        self._open_calls = 0  # forward calls entered and not yet left (nesting)
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
@@ -118,7 +119,10 @@ class GroupState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.is_root is None:
             self._lazy_init()
-        if self.machine.phase is Phase.FORWARD:  # the next module of a multi-module group
+        if self.machine.phase is Phase.FORWARD:
+            # Another module of a multi-module group, or a nested call: forward() inside a
+            # method registered with register_fsdp_forward_method (generate), or recursion.
+            self._open_calls += 1
             return args, kwargs
         if self.machine.phase is Phase.PRE_BACKWARD:  # recomputation inside backward
             self.machine.advance(PhaseEvent.PRE_FORWARD)
@@ -129,7 +133,7 @@ class GroupState:
             self.ctx.streams.sync_before_first_all_gather()
             args, kwargs = self._inputs_to_device(args, kwargs)
         self.machine.advance(PhaseEvent.PRE_FORWARD)
-        self._modules_to_run = set(self.modules)
+        self._modules_to_run, self._open_calls = set(self.modules), 1
         self._unshard_now()
         for target in self.forward_prefetch:
             target._prefetch()
@@ -142,12 +146,14 @@ class GroupState:
             self.machine.advance(PhaseEvent.POST_FORWARD)
             return output
         self._modules_to_run.discard(module)
-        if self._modules_to_run:
-            return output  # other modules of this group still to run
+        self._open_calls -= 1
+        if self._modules_to_run or self._open_calls > 0:
+            return output  # other modules of this group still to run, or an outer call is open
         self._finish_forward(output)
         if self.ctx.forward_root is self:
             for state in self.ctx.states:  # groups of several modules that ran only in part
                 if state.machine.phase is Phase.FORWARD:
+                    state._open_calls = 0
                     state._finish_forward(output)
             self.ctx.forward_root = None
         return output
@@ -222,6 +228,7 @@ class GroupState:
         for state in self.ctx.states if self.ctx else [self]:
             state.machine.reset()
             state._modules_to_run.clear()
+            state._open_calls = 0
             if state.group is not None:
                 state.group.reshard()
                 for p in state.group.params:

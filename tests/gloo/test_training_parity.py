@@ -6,7 +6,11 @@ probably a wrong check. The checks run inside the spawned ranks; see gloo_harnes
 
 import pytest
 import torch
+from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+import shardkit
 from gloo_harness import Checks, run_worker
 from gloo_parity import (
     FULLY_SHARD, Parity, Stack, assert_close, count_collectives, full, gather_rows, gpt_batches, gpt_loss,
@@ -185,6 +189,28 @@ def freezing_after_fully_shard_stops_its_updates(mesh, impl):
         model.blocks[0].lin.weight.requires_grad_(False)
     p.train(stack_batches(3))  # compares gradients too: None for the frozen weight
     p.assert_params_match()
+
+
+class Generator(Stack):
+    def generate(self, x: torch.Tensor, steps: int = 3) -> torch.Tensor:
+        """Calls forward repeatedly, like a language model's decode loop."""
+        for _ in range(steps):
+            x = torch.cat([x[:, 3:], self(x)], dim=1)  # (B, 8)
+        return x
+
+
+@checks()
+def registered_forward_method_runs_nested_forwards(mesh, impl):
+    register = {"shardkit": shardkit.register_fsdp_forward_method, "torch": torch_register}[impl]
+    p = Parity.build(Generator, shard_blocks_then_root(impl, mesh), mesh, impl)
+    register(p.model, "generate")
+    for i, batch in enumerate(stack_batches(3)):
+        result = p.step(batch)
+        assert_close(result.loss, result.ref_loss, f"loss at step {i}")
+        with torch.no_grad():
+            out, ref_out = p.model.generate(local(batch, mesh)[0]), p.ref.generate(batch[0])
+        assert_close(gather_rows(out, mesh), ref_out, f"generate after step {i}")
+    assert all(isinstance(t, DTensor) for t in p.model.parameters())
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
