@@ -173,3 +173,28 @@ def test_root_kept_unsharded_is_gathered_again_after_params_change(update):
     root_gathers = lambda t: [e for e in t.collectives("all_gather") if e.group == ""]
     assert len(root_gathers(unchanged)) == 0
     assert len(root_gathers(changed)) == 1
+
+
+def test_reset_iter_state_recovers_from_an_exception_mid_forward():
+    class Boom(Exception):
+        pass
+
+    with fake_world(4) as mesh:
+        net = sharded_net(mesh)
+        calls = {"n": 0}
+
+        def explode_once(module, args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise Boom
+
+        handle = net.blocks[1].register_forward_pre_hook(explode_once)
+        with pytest.raises(Boom):
+            net(torch.randn(2, 5))
+        with pytest.raises(RuntimeError, match="root"):
+            net.blocks[0].reset_iter_state()
+        net.reset_iter_state()
+        assert all(isinstance(p, DTensor) for p in net.parameters())
+        counts = step(net).summary()
+        handle.remove()
+    assert (counts["all_gather"].calls, counts["reduce_scatter"].calls) == (7, 4)
