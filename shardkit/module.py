@@ -86,6 +86,17 @@ class FSDPModule:
         if group is not None:
             group.gradient_divide_factor = factor
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated FSDP2 name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: shardkit always reduces with SUM and divides after."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for FSDP2 compatibility: collectives run on the current stream, which is
+        already ordered after the optimizer step."""
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted for FSDP2 compatibility: shardkit always reduces unused parameters with
         zero gradients (and leaves ``.grad`` None where no rank used one)."""

@@ -198,3 +198,15 @@ def test_reset_iter_state_recovers_from_an_exception_mid_forward():
         counts = step(net).summary()
         handle.remove()
     assert (counts["all_gather"].calls, counts["reduce_scatter"].calls) == (7, 4)
+
+
+def test_fsdp2_knobs_without_effect_here_are_accepted():
+    with fake_world(4) as mesh:
+        net = sharded_net(mesh)
+        net.set_force_sum_reduction_for_comms(True)
+        net.set_post_optim_event(None)
+        net.set_reduce_scatter_unused_params(False)
+        net.set_requires_all_reduce(False)
+        net.set_reduce_scatter_divide_factor(2.0)
+        assert net.__dict__["_shardkit_state"].group.gradient_divide_factor == 2.0
+        assert step(net).summary()["reduce_scatter"].calls == 4
