@@ -102,13 +102,7 @@ class GroupState:
                 state.reshard_after_forward = not state.is_root
             ctx.states.append(state)
         _name_params(root_module, ctx.states)
-        meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
-        if meta:
-            raise RuntimeError(
-                f"shardkit: parameters {meta} are still on the meta device at the first forward. "
-                "Materialize them first: model.to_empty(device=...), then initialize them "
-                "(reset_parameters() or your own init)."
-            )
+        _check_materialized(root_module)
         for state in ctx.states:
             if state.group is not None:
                 state.group.name = state.name
@@ -289,6 +283,16 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name))
+
+
+def _check_materialized(root_module: nn.Module) -> None:
+    meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise RuntimeError(
+            f"shardkit: parameters {meta} are still on the meta device at the first forward. "
+            "Materialize them first: model.to_empty(device=...), then initialize them "
+            "(reset_parameters() or your own init)."
+        )
 
 
 def _name_params(root_module: nn.Module, states: list[GroupState]) -> None:
