@@ -25,7 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.comm.streams import Streams
-from shardkit.param_group import ParamGroup
+from shardkit.param_group import ParamGroup, still_on_meta
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
 
 
@@ -288,11 +288,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 def _check_materialized(root_module: nn.Module) -> None:
     meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
     if meta:
-        raise RuntimeError(
-            f"shardkit: parameters {meta} are still on the meta device at the first forward. "
-            "Materialize them first: model.to_empty(device=...), then initialize them "
-            "(reset_parameters() or your own init)."
-        )
+        raise still_on_meta(meta)
 
 
 def _name_params(root_module: nn.Module, states: list[GroupState]) -> None:

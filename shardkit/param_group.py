@@ -41,6 +41,14 @@ def _install_step_hook_once() -> None:
         _step_hook = register_optimizer_step_post_hook(_mark_live_unsharded_stale)
 
 
+def still_on_meta(names: list[str]) -> RuntimeError:
+    return RuntimeError(
+        f"shardkit: parameters {names} are still on the meta device at the first forward or "
+        "unshard. Materialize them first: model.to_empty(device=...), then initialize them "
+        "(reset_parameters() or your own init)."
+    )
+
+
 class ParamGroup:
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
         self.params = params
@@ -63,11 +71,7 @@ class ParamGroup:
     def lazy_init(self) -> None:
         meta = [p.fqn for p in self.params if p.device.type == "meta"]
         if meta:
-            raise RuntimeError(
-                f"shardkit: parameters {meta} are still on the meta device at the first forward. "
-                "Materialize them first, e.g. model.to_empty(device=...) and then initialize "
-                "them (reset_parameters() or your own init)."
-            )
+            raise still_on_meta(meta)
         for p in self.params:
             p.alloc_unsharded()
         self._buckets = collectives.buckets_by_dtype(self.params)
