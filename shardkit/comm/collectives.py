@@ -117,12 +117,11 @@ def reduce_scatter(
     result is averaged over the ``world`` ranks (like DDP), or divided by ``divide_factor``.
     """
     params = bucket.params
+    missing = [i for i, g in enumerate(grads) if g is None]
     present = bucket.all_present(params[0].device)  # (n,) ones, made once: no host-to-device copy per step
-    if any(g is None for g in grads):
+    if missing:
         present = present.clone()
-        for i, g in enumerate(grads):
-            if g is None:
-                present[i] = 0
+        present[missing] = 0
     filled = [g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p, g in zip(params, grads)]
     send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
     output = send.new_empty(bucket.per_rank + len(params))
@@ -132,7 +131,7 @@ def reduce_scatter(
     reduced.div_(world if divide_factor is None else divide_factor)
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.
-    counts = output[bucket.per_rank :].tolist() if any(g is None for g in grads) else [1] * len(params)
+    counts = output[bucket.per_rank :].tolist() if missing else [1] * len(params)
     offset = 0
     for p, g, count, numel in zip(params, grads, counts, bucket.shard_numels):
         if g is not None or count > 0:
