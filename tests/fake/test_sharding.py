@@ -210,3 +210,13 @@ def test_fsdp2_knobs_without_effect_here_are_accepted():
         net.set_reduce_scatter_divide_factor(2.0)
         assert net.__dict__["_shardkit_state"].group.gradient_divide_factor == 2.0
         assert step(net).summary()["reduce_scatter"].calls == 4
+
+
+def test_default_mesh_is_every_rank_of_the_process_group():
+    with fake_world(8, rank=3):
+        net = Net()
+        fully_shard(net)  # no mesh: all 8 ranks, on the CPU here
+        weight = net.inp.weight
+        assert weight.device_mesh.size() == 8 and weight.device_mesh.device_type == "cpu"
+        assert weight.to_local().shape == (2, 5)  # 13 rows on 8 ranks: rank 3 holds 2
+        assert step(net).summary()["all_gather"].calls == 1
