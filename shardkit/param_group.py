@@ -75,6 +75,7 @@ class ParamGroup:
         for p in self.params:
             p.alloc_unsharded()
         self._buckets = collectives.buckets_by_dtype(self.params)
+        self._process_group = self.mesh.get_group()  # looked up once, not per collective
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather; a no-op if one is issued or the gathered data is still fresh."""
@@ -92,7 +93,7 @@ class ParamGroup:
             )
         if self._buckets is None:
             self.lazy_init()
-        group = self.mesh.get_group()
+        group = self._process_group
         self._pending = [collectives.all_gather(b, group, self.world, self.name, async_op) for b in self._buckets]
         self._gathered_versions = self._shard_versions()
         self.stale = False
@@ -149,7 +150,7 @@ class ParamGroup:
                 if p.requires_grad:
                     p.accumulate_unreduced_grad()
             return
-        group = self.mesh.get_group()
+        group = self._process_group
         for bucket in self._buckets:
             trainable = [p for p in bucket.params if p.requires_grad]
             if not trainable:
