@@ -3,15 +3,23 @@
 The life of a step, for one group (see docs/design.md for the sequence diagram):
 
 - pre-forward hook: the first forward lazily initializes the root; then unshard (ONE
-  all-gather per dtype) and put a ``_PostBackward`` node on the inputs.
+  all-gather per dtype; usually already issued by the previous group's prefetch), issue
+  the all-gather of the group that came next in the last forward (forward prefetch), and
+  put a ``_PostBackward`` node on the inputs.
 - post-forward hook: reshard if ``reshard_after_forward``, and hook every output tensor so
   its gradient triggers the pre-backward.
-- pre-backward (output gradient hook): unshard again (if resharded), and make sure the
-  root's final callback is queued.
+- pre-backward (output gradient hook): unshard again (if resharded), issue the all-gather
+  of the group whose forward finished before this one's (backward prefetch), and make sure
+  the root's final callback is queued.
 - post-backward (``_PostBackward.backward``, after the group's gradients are accumulated):
-  ONE reduce-scatter per dtype into the sharded ``.grad`` and reshard.
+  issue ONE reduce-scatter per dtype, reshard, and finish the previous group's
+  reduce-scatter (it ran during this group's backward) into its sharded ``.grad``.
 - the root's final callback: groups whose post-backward never fired (the root, whose inputs
-  are token ids; groups whose inputs need no grad) reduce now; all return to IDLE.
+  are token ids; groups whose inputs need no grad) reduce now; every reduce-scatter is
+  finished (the optimizer step follows); all groups return to IDLE.
+
+At most two all-gathers are in flight (the current group's and one prefetched), and two
+reduce-scatters.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardkit.comm.streams import Streams
 from shardkit.param_group import ParamGroup, still_on_meta
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
 
@@ -34,12 +41,14 @@ class RootContext:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.streams = Streams(device)
         self.states: list[GroupState] = []  # every group under the root, module order
         self.forward_root: GroupState | None = None  # whose forward opened this pass
         self.final_callback_queued = False
         self.is_last_backward = True
+        self.forward_order: list[GroupState] = []  # pre-forward order of the last forward pass
+        self.forward_seen: list[GroupState] = []  # ... and of this one so far (forward prefetch)
         self.post_forward_order: list[GroupState] = []  # for backward prefetch
+        self.reducing: list[ParamGroup] = []  # groups whose reduce-scatter is in flight
 
 
 class GroupState:
@@ -53,8 +62,9 @@ class GroupState:
         self.is_root: bool | None = None  # None until the root's lazy init
         self.parent: GroupState | None = None  # the enclosing fully_shard call, if any
         self.ctx: RootContext | None = None
-        self.forward_prefetch: list[GroupState] = []
-        self.backward_prefetch: list[GroupState] = []
+        self.forward_prefetch: list[GroupState] | None = None  # None: implicit
+        self.backward_prefetch: list[GroupState] | None = None  # None: implicit
+        self._post_forward_indices: list[int] = []  # where this group is in post_forward_order
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to run this forward
         self._open_calls = 0  # forward calls entered and not yet left (nesting)
         for module in modules:
@@ -124,13 +134,11 @@ class GroupState:
             return args, kwargs
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
-            self.ctx.streams.sync_before_first_all_gather()
             args, kwargs = self._inputs_to_device(args, kwargs)
         self.machine.advance(PhaseEvent.PRE_FORWARD)
         self._modules_to_run, self._open_calls = set(self.modules), 1
         self._unshard_now()
-        for target in self.forward_prefetch:
-            target._prefetch()
+        self._prefetch_forward()
         if self.group is not None and torch.is_grad_enabled():
             args, kwargs = _PostBackward.attach(self, args, kwargs)
         return args, kwargs
@@ -144,12 +152,16 @@ class GroupState:
         if self._modules_to_run or self._open_calls > 0:
             return output  # other modules of this group still to run, or an outer call is open
         self._finish_forward(output)
-        if self.ctx.forward_root is self:
-            for state in self.ctx.states:  # groups of several modules that ran only in part
-                if state.machine.phase is Phase.FORWARD:
+        ctx = self.ctx
+        if ctx.forward_root is self:
+            for state in ctx.states:
+                if state.machine.phase is Phase.FORWARD:  # a group of several modules that ran in part
                     state._open_calls = 0
                     state._finish_forward(output)
-            self.ctx.forward_root = None
+                elif state.group is not None and state.group._pending:  # prefetched, then not run
+                    state.group.reshard()
+            ctx.forward_root = None
+            ctx.forward_order, ctx.forward_seen = ctx.forward_seen, []
         return output
 
     def _finish_forward(self, output: Any) -> None:
@@ -161,6 +173,7 @@ class GroupState:
                 # parameters again, and keeps the gathered data for the next forward.
                 self.group.reshard(free=False)
         if torch.is_grad_enabled():  # a backward may follow: remember the order, hook the outputs
+            self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
             for t in iter_tensors(output):
                 if t.requires_grad:
@@ -184,7 +197,33 @@ class GroupState:
     def _prefetch(self) -> None:
         """Issue this group's all-gather early; its own pre-forward/backward waits for it."""
         if self.group is not None:
-            self.group.unshard(async_op=True)
+            self.group.unshard()
+
+    def _prefetch_forward(self) -> None:
+        """Issue the all-gather of the group that ran after this one in the last forward
+        (if this forward has followed the last one so far), or of the explicit list."""
+        ctx = self.ctx
+        ctx.forward_seen.append(self)
+        if self.forward_prefetch is not None:
+            targets = self.forward_prefetch
+        else:
+            i, order = len(ctx.forward_seen), ctx.forward_order
+            targets = order[i : i + 1] if len(order) >= i and order[i - 1] is self else ()
+        for target in targets:
+            target._prefetch()
+
+    def _prefetch_backward(self) -> None:
+        """Issue the all-gather of the group whose forward finished before this one's (the
+        next in backward), or of the explicit list."""
+        if self.backward_prefetch is not None:
+            targets = self.backward_prefetch
+        elif self._post_forward_indices:
+            i = self._post_forward_indices.pop()
+            targets = self.ctx.post_forward_order[i - 1 : i] if i > 0 else ()
+        else:
+            targets = ()
+        for target in targets:
+            target._prefetch()
 
     # Backward ------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -195,15 +234,19 @@ class GroupState:
             self.ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(self.ctx.states[0]._finish_backward)
         self._unshard_now()
-        for target in self.backward_prefetch:
-            target._prefetch()
+        self._prefetch_backward()
 
     def _post_backward(self) -> None:
         self.machine.advance(PhaseEvent.POST_BACKWARD)
-        if self.group is not None:
-            self.group.reduce_gradients()
-            if self.group.reshard_after_backward:
-                self.group.reshard()
+        if self.group is None:
+            return
+        self.group.reduce_gradients()
+        if self.group.reshard_after_backward:
+            self.group.reshard()
+        # The reduce-scatters issued before ran during this group's backward: finish them.
+        previous, self.ctx.reducing = self.ctx.reducing, [self.group]
+        for group in previous:
+            group.finish_reduce()
 
     def _finish_backward(self) -> None:
         """The root's final autograd callback: reduce what did not reduce, return to IDLE."""
@@ -211,11 +254,18 @@ class GroupState:
         for state in reversed(ctx.states):  # backward order: blocks last-to-first, root last
             if state.machine.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
                 state._post_backward()
+        for group in ctx.reducing:  # the optimizer step comes next
+            group.finish_reduce()
+        ctx.reducing = []
         for state in ctx.states:
             state.machine.advance(PhaseEvent.FINALIZE)
+            if state.group is not None and state.group._pending:  # prefetched, then not used
+                state.group.reshard()
         ctx.final_callback_queued = False
         if ctx.is_last_backward:
             ctx.post_forward_order.clear()
+            for state in ctx.states:
+                state._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
         """Return every group under this root to IDLE and sharded after an aborted step."""
@@ -223,7 +273,9 @@ class GroupState:
             state.machine.reset()
             state._modules_to_run.clear()
             state._open_calls = 0
+            state._post_forward_indices.clear()
             if state.group is not None:
+                state.group.finish_reduce(keep=False)
                 state.group.reshard()
                 for p in state.group.params:
                     if p.unsharded_param is not None:
@@ -233,6 +285,8 @@ class GroupState:
             self.ctx.forward_root = None
             self.ctx.final_callback_queued = False
             self.ctx.post_forward_order.clear()
+            self.ctx.forward_seen.clear()
+            self.ctx.reducing = []
 
 
 class _PostBackward(torch.autograd.Function):

@@ -32,7 +32,7 @@ class FSDPModule:
         handle; the module's next forward waits for it if ``wait()`` was not called."""
         group = self._shardkit().group
         if group is not None:
-            group.unshard(async_op=async_op)
+            group.unshard()
         handle = UnshardHandle(group)
         if async_op:
             return handle

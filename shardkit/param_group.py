@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.comm import collectives, trace
-from shardkit.comm.collectives import Bucket, PendingAllGather
+from shardkit.comm.collectives import Bucket, Comm, PendingAllGather, PendingReduceScatter
+from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam, free_storage
 
 
@@ -57,7 +58,8 @@ class ParamGroup:
         self.name = ""  # the owning modules' FQNs, set at lazy init
         self.is_unsharded = False  # which parameters the modules hold
         self._holds_data = False  # whether the unsharded storage holds gathered data
-        self._pending: list[PendingAllGather] = []  # issued, not yet copied out
+        self._pending: list[PendingAllGather] = []  # issued, not yet waited for
+        self._reducing: list[PendingReduceScatter] = []  # issued, not yet waited for
         self._gathered_versions: list[int] = []  # padded-shard versions when we last gathered
         self._buckets: list[Bucket] | None = None
         self.stale = False  # an optimizer stepped since we gathered
@@ -75,10 +77,11 @@ class ParamGroup:
         for p in self.params:
             p.alloc_unsharded()
         self._buckets = collectives.buckets_by_dtype(self.params)
-        self._process_group = self.mesh.get_group()  # looked up once, not per collective
+        self._comm = Comm.of(self.mesh.get_group(), streams_for(self.params[0].device))
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather; a no-op if one is issued or the gathered data is still fresh."""
+    def unshard(self) -> None:
+        """Issue the all-gather (``wait_for_unshard`` finishes it); a no-op if one is issued
+        or the gathered data is still fresh."""
         if self._pending or self._holds_data:
             if not self.stale and self._gathered_versions == self._shard_versions():
                 if not self._pending:
@@ -93,8 +96,7 @@ class ParamGroup:
             )
         if self._buckets is None:
             self.lazy_init()
-        group = self._process_group
-        self._pending = [collectives.all_gather(b, group, self.world, self.name, async_op) for b in self._buckets]
+        self._pending = [collectives.all_gather(b, self._comm, self.name) for b in self._buckets]
         self._gathered_versions = self._shard_versions()
         self.stale = False
         _live_unsharded.add(self)
@@ -104,7 +106,7 @@ class ParamGroup:
         if not self._pending:
             return
         for pending in self._pending:
-            collectives.finish_all_gather(pending, self.world)
+            collectives.finish_all_gather(pending, self._comm)
         self._pending = []
         self._holds_data = True
         self._register_unsharded()
@@ -138,7 +140,8 @@ class ParamGroup:
 
     # Gradients ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """After backward: one reduce-scatter per bucket, or keep grads unreduced (no sync).
+        """After backward: issue one reduce-scatter per bucket (``finish_reduce`` hands the
+        results to ``.grad``), or keep the grads unreduced (no gradient sync).
 
         Every trainable parameter takes part, with a zero gradient where this rank has none,
         so ranks that used different parameters still issue the same collectives.
@@ -150,16 +153,25 @@ class ParamGroup:
                 if p.requires_grad:
                     p.accumulate_unreduced_grad()
             return
-        group = self._process_group
         for bucket in self._buckets:
             trainable = [p for p in bucket.params if p.requires_grad]
             if not trainable:
                 continue  # frozen parameters get no reduction
             grads = [p.take_unsharded_grad() for p in trainable]
             sub = bucket if len(trainable) == len(bucket.params) else Bucket.of(trainable)
-            collectives.reduce_scatter(sub, grads, group, self.world, self.name, self.gradient_divide_factor)
+            self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, self.gradient_divide_factor))
+
+    def finish_reduce(self, keep: bool = True) -> None:
+        """Wait for the issued reduce-scatters; give the results to ``.grad`` unless ``keep=False``."""
+        for pending in self._reducing:
+            if keep:
+                collectives.finish_reduce_scatter(pending, self._comm)
+            elif pending.work is not None:
+                pending.work.wait()
+        self._reducing = []
 
     def reset_layout(self) -> None:
         """Forget buffer layouts after the parameters' dtype or device changed."""
         self.reshard()
+        self.finish_reduce()
         self._buckets = None

@@ -137,13 +137,13 @@ unshard blocks.2
 reshard blocks.2
 all_gather blocks.2 float32 numel=1148 world=2
 unshard blocks.2
+all_gather blocks.1 float32 numel=1148 world=2
 reduce_scatter blocks.2 float32 numel=1160 world=2
 reshard blocks.2
-all_gather blocks.1 float32 numel=1148 world=2
 unshard blocks.1
+all_gather blocks.0 float32 numel=1148 world=2
 reduce_scatter blocks.1 float32 numel=1160 world=2
 reshard blocks.1
-all_gather blocks.0 float32 numel=1148 world=2
 unshard blocks.0
 reduce_scatter blocks.0 float32 numel=1160 world=2
 reshard blocks.0
