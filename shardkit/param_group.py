@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit import optim
 from shardkit.comm import collectives, trace
 from shardkit.comm.collectives import Bucket, Comm, PendingAllGather, PendingReduceScatter
 from shardkit.comm.streams import streams_for
@@ -64,6 +65,7 @@ class ParamGroup:
         self._buckets: list[Bucket] | None = None
         self.stale = False  # an optimizer stepped since we gathered
         _install_step_hook_once()
+        optim.install_once()
         # Knobs set through FSDPModule.set_* (FSDP2 names).
         self.reshard_after_backward = True
         self.reduce_grads = True
