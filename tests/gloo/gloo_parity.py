@@ -176,18 +176,21 @@ class Parity:
     opt: torch.optim.Optimizer = field(init=False)
     ref_opt: torch.optim.Optimizer = field(init=False)
     optim_kwargs: dict = field(default_factory=lambda: dict(OPTIM))
+    optimizer: type = torch.optim.AdamW
 
     def __post_init__(self) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), **self.optim_kwargs)
-        self.ref_opt = torch.optim.AdamW(self.ref.parameters(), **self.optim_kwargs)
+        self.opt = self.optimizer(self.model.parameters(), **self.optim_kwargs)
+        self.ref_opt = self.optimizer(self.ref.parameters(), **self.optim_kwargs)
 
     @classmethod
-    def build(cls, make_model: Callable[[], nn.Module], shard: Callable[[nn.Module], None], mesh: DeviceMesh, impl: str, loss_of=stack_loss, **optim_kwargs) -> "Parity":
+    def build(cls, make_model: Callable[[], nn.Module], shard: Callable[[nn.Module], None], mesh: DeviceMesh, impl: str, loss_of=stack_loss, optimizer: type = torch.optim.AdamW, **optim_kwargs) -> "Parity":
+        """``optim_kwargs`` add to OPTIM for AdamW, and are the whole settings for another optimizer."""
         torch.manual_seed(0)  # the same weights on every rank
         model = make_model()
         ref = copy.deepcopy(model)
         shard(model)
-        return cls(model, ref, mesh, impl, loss_of, optim_kwargs=OPTIM | optim_kwargs)
+        kwargs = OPTIM | optim_kwargs if optimizer is torch.optim.AdamW else optim_kwargs
+        return cls(model, ref, mesh, impl, loss_of, optim_kwargs=kwargs, optimizer=optimizer)
 
     def forward_backward(self, batch: Batch, scale: float = 1.0) -> Pass:
         with count_collectives(self.impl) as forward:

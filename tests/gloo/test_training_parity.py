@@ -213,6 +213,33 @@ def registered_forward_method_runs_nested_forwards(mesh, impl):
     assert all(isinstance(t, DTensor) for t in p.model.parameters())
 
 
+ELEMENTWISE_OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, foreach=True)),
+    (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
+    (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True)),
+    (torch.optim.Adagrad, dict(lr=1e-2)),
+    (torch.optim.NAdam, dict(lr=1e-2, foreach=False)),
+]
+
+
+@checks()
+def elementwise_optimizers_match_reference_and_keep_dtensor_state(mesh, impl):
+    # shardkit steps these on the local shards (shardkit/optim.py); users still see DTensors.
+    for optimizer, kwargs in ELEMENTWISE_OPTIMIZERS:
+        p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl, optimizer=optimizer, **kwargs)
+        p.train(stack_batches(3))
+        p.assert_params_match()
+        name = optimizer.__name__
+        assert all(isinstance(q, DTensor) for g in p.opt.param_groups for q in g["params"]), name
+        for param, state in p.opt.state.items():
+            assert isinstance(param, DTensor), name
+            for key, value in state.items():
+                if value.dim() > 0:
+                    assert isinstance(value, DTensor) and value.placements == param.placements, f"{name} {key}"
+                    assert full(value).shape == param.shape, f"{name} {key} shape"
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_training_matches_reference_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
