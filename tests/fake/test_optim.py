@@ -29,7 +29,7 @@ def test_inside_the_step_the_optimizer_sees_local_tensors_and_outside_dtensors()
         assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
         for p, b in zip(model.parameters(), before):
             assert not torch.equal(p.to_local(), b), "the step did not update the shard in place"
-            assert p.to_local().grad is None  # the local grad is only lent during the step
+            assert p._local_tensor.grad is None  # the local grad is only lent during the step
             assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
             assert isinstance(opt.state[p]["exp_avg"], DTensor) and not isinstance(opt.state[p]["step"], DTensor)
         exp_avg = [opt.state[p]["exp_avg"] for p in model.parameters()]
