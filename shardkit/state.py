@@ -74,7 +74,8 @@ class PhaseMachine:
                 "call reset_iter_state() on the root module before the next step."
             )
         self.phase = new
-        trace.record("phase", self.name, f"{event.value}: {old.value} -> {new.value}")
+        if trace.is_recording():
+            trace.record("phase", self.name, f"{event.value}: {old.value} -> {new.value}")
         return new
 
     def reset(self) -> None:

@@ -26,8 +26,7 @@ ranks (measured; see docs/design.md), although it moves twice the bytes. The tra
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,6 +48,7 @@ class Bucket:
     shard_numels: list[int]  # padded shard elements per parameter
     per_rank: int  # sum of shard_numels: one rank's all-gather input / reduce-scatter output
     _all_present: torch.Tensor | None = None
+    _views: dict = field(default_factory=dict)  # views made once (they survive storage resizes)
 
     @classmethod
     def of(cls, params: list[ShardedParam]) -> "Bucket":
@@ -64,6 +64,18 @@ class Bucket:
         if self._all_present is None or self._all_present.device != device:
             self._all_present = torch.ones(len(self.params), dtype=self.dtype, device=device)
         return self._all_present
+
+    def shards(self) -> list[torch.Tensor]:
+        """Each parameter's padded shard, flat: the all-gather input pieces."""
+        if "shards" not in self._views:
+            self._views["shards"] = [p.padded_shard.view(-1) for p in self.params]
+        return self._views["shards"]
+
+    def unsharded_columns(self, world: int) -> list[torch.Tensor]:
+        """Each parameter's unsharded buffer as (world, shard_numel): the copy-out targets."""
+        if "columns" not in self._views:
+            self._views["columns"] = [p.unsharded_flat.view(world, -1) for p in self.params]
+        return self._views["columns"]
 
 
 def buckets_by_dtype(params: list[ShardedParam]) -> list[Bucket]:
@@ -108,12 +120,11 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
     with comm.streams.side("all_gather"):
         if len(bucket.params) == 1:  # one parameter: gather straight into its unsharded buffer
             p = bucket.params[0]
-            send, output = p.padded_shard.view(-1), p.unsharded_flat
+            send, output = bucket.shards()[0], p.unsharded_flat
         else:
-            send = torch.cat([p.padded_shard.view(-1) for p in bucket.params])  # (per_rank,)
+            send = torch.cat(bucket.shards())  # (per_rank,)
             output = send.new_empty(world * bucket.per_rank)  # (world * per_rank,)
-        with _preserve_versions(bucket):
-            work = _all_gather_single(output, send, group=comm.group, async_op=not cuda)
+        work = _all_gather_single(output, send, group=comm.group, async_op=not cuda)
         if cuda:
             _copy_out(bucket, output, world)
             return PendingAllGather(bucket, None, None, None, comm.streams.done("all_gather"))
@@ -132,13 +143,12 @@ def _copy_out(bucket: Bucket, output: torch.Tensor, world: int) -> None:
     """Each parameter's column block of the (world, per_rank) output into its own buffer."""
     if len(bucket.params) == 1:
         return  # gathered in place
-    with _preserve_versions(bucket):
-        torch.split_with_sizes_copy(
-            output.view(world, -1),  # (world, per_rank)
-            bucket.shard_numels,
-            dim=1,
-            out=[p.unsharded_flat.view(world, -1) for p in bucket.params],  # each (world, shard_numel)
-        )
+    torch.split_with_sizes_copy(
+        output.view(world, -1),  # (world, per_rank)
+        bucket.shard_numels,
+        dim=1,
+        out=bucket.unsharded_columns(world),  # each (world, shard_numel)
+    )
 
 
 # Reduce-scatter ----------------------------------------------------------------------------
@@ -152,6 +162,7 @@ class PendingReduceScatter:
     event: torch.cuda.Event | None
     divide_by: float
     missing: list[int]  # indices of the parameters this rank has no gradient for
+    chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
     reduced: torch.Tensor | None = None  # (per_rank,): divided (on the side stream, CUDA)
 
 
@@ -178,7 +189,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         else:
             chunk = send.new_empty(bucket.per_rank + len(params))
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=not cuda)
-        pending = PendingReduceScatter(bucket, grads if cuda else [], send, chunk, work, None, divide_by, missing)
+        pending = PendingReduceScatter(bucket, grads if cuda else [], send, chunk, work, None, divide_by, missing, comm.reduce_by_all_reduce)
         if cuda:
             pending.reduced = _divided(pending)
             pending.work, pending.send = None, None  # done on the side stream
@@ -205,16 +216,9 @@ def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
 
 
 def _divided(pending: PendingReduceScatter) -> torch.Tensor:
-    """This rank's reduced rows over the divide factor: a new tensor, so that the all-reduce
-    buffer (every rank's rows) is not kept alive by the gradients."""
-    return pending.chunk[: pending.bucket.per_rank] / pending.divide_by
-
-
-@contextlib.contextmanager
-def _preserve_versions(bucket: Bucket):
-    """Writing gathered data into unsharded parameters must not look like an in-place edit to
-    autograd, which saved those parameters in forward and checks their version in backward."""
-    with contextlib.ExitStack() as stack:
-        for p in bucket.params:
-            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.unsharded_param))
-        yield
+    """This rank's reduced rows over the divide factor. After an all-reduce, a new tensor,
+    so that the gradients do not keep every rank's rows alive; else in place."""
+    reduced = pending.chunk[: pending.bucket.per_rank]
+    if pending.chunk_of_all_reduce:
+        return reduced / pending.divide_by
+    return reduced.div_(pending.divide_by)

@@ -11,6 +11,9 @@
   all-gather output layout). It is registered on the module during forward/backward. Its
   object lives for the whole run (autograd saves it and accumulates ``.grad`` into it); only
   its storage is freed (resized to 0) when we reshard, and refilled when we unshard.
+  The all-gather writes through ``unsharded_flat``, which shares the storage but not the
+  version counter (``.data``): refilling the parameter is not an in-place edit that autograd
+  would reject in backward (it saved the parameter in forward and checks its version).
 """
 
 from __future__ import annotations
@@ -106,9 +109,10 @@ class ShardedParam:
         """Create the unsharded parameter once (storage freed until the first unshard)."""
         if self.unsharded_param is not None:
             return
-        self.unsharded_flat = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=self.device)
-        view = self.unsharded_flat[: self.shape.numel()].view(self.shape)  # (*shape)
+        flat = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=self.device)
+        view = flat[: self.shape.numel()].view(self.shape)  # (*shape)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
         free_storage(self.unsharded_flat)
 
     def to_unsharded(self) -> None:
