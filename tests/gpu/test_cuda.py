@@ -83,3 +83,44 @@ def test_cuda_meta_init_then_to_empty(cuda_mesh):
     out = model(torch.randn(2, 64, device="cuda"))
     out.sum().backward()
     assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
+
+
+def test_cuda_collectives_run_on_side_streams_and_compute_waits_for_them(cuda_mesh, monkeypatch):
+    """Each collective is delayed ~5 ms on its side stream (``torch.cuda._sleep`` before it):
+    if the compute stream did not wait for the all-gather's event, forward would read
+    unfilled parameters; if the optimizer did not wait for the reduce-scatter's, it would
+    step on unreduced gradients. Either way the numerics would differ from the reference."""
+    from shardkit.comm import collectives
+
+    streams = {"all_gather": [], "reduce_scatter": []}
+
+    def delayed(kind, fn):
+        def run(*args, **kwargs):
+            streams[kind].append(torch.cuda.current_stream())
+            torch.cuda._sleep(5_000_000)  # cycles on the current (side) stream
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(collectives, "_all_gather_single", delayed("all_gather", collectives._all_gather_single))
+    monkeypatch.setattr(collectives, "_reduce_scatter_single", delayed("reduce_scatter", collectives._reduce_scatter_single))
+    cpu_model = mlp("cpu")
+    ref = copy.deepcopy(cpu_model).cuda()
+    model = shard(cpu_model, cuda_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+    default = torch.cuda.default_stream()
+    for kind, seen in streams.items():
+        assert seen and all(s != default for s in seen), f"{kind} ran on the compute stream"
+    assert streams["all_gather"][0] != streams["reduce_scatter"][0]
