@@ -36,6 +36,9 @@ from shardkit.param_group import ParamGroup, still_on_meta
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
 
 
+MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
+
+
 class RootContext:
     """What the groups under one root share, set up at the root's lazy init."""
 
@@ -243,10 +246,12 @@ class GroupState:
         self.group.reduce_gradients()
         if self.group.reshard_after_backward:
             self.group.reshard()
-        # The reduce-scatters issued before ran during this group's backward: finish them.
-        previous, self.ctx.reducing = self.ctx.reducing, [self.group]
-        for group in previous:
-            group.finish_reduce()
+        # Finish the reduce-scatters that completed while this group's backward ran, and
+        # the oldest if more than MAX_REDUCING are in flight.
+        reducing = self.ctx.reducing
+        reducing.append(self.group)
+        while len(reducing) > MAX_REDUCING or (len(reducing) > 1 and reducing[0].reduce_done()):
+            reducing.pop(0).finish_reduce()
 
     def _finish_backward(self) -> None:
         """The root's final autograd callback: reduce what did not reduce, return to IDLE."""

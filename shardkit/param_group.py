@@ -163,6 +163,10 @@ class ParamGroup:
             sub = bucket if len(trainable) == len(bucket.params) else Bucket.of(trainable)
             self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, self.gradient_divide_factor))
 
+    def reduce_done(self) -> bool:
+        """Whether the issued reduce-scatters have completed (without waiting)."""
+        return all(collectives.is_done(p) for p in self._reducing)
+
     def finish_reduce(self, keep: bool = True) -> None:
         """Wait for the issued reduce-scatters; give the results to ``.grad`` unless ``keep=False``."""
         for pending in self._reducing:

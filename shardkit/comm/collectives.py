@@ -215,6 +215,13 @@ def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
         offset += numel
 
 
+def is_done(pending: PendingReduceScatter) -> bool:
+    """Whether the collective has completed, without waiting (on CUDA: the side stream's event)."""
+    if pending.work is not None:
+        return pending.work.is_completed()
+    return pending.event is None or pending.event.query()
+
+
 def _divided(pending: PendingReduceScatter) -> torch.Tensor:
     """This rank's reduced rows over the divide factor. After an all-reduce, a new tensor,
     so that the gradients do not keep every rank's rows alive; else in place."""

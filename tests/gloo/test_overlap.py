@@ -34,6 +34,9 @@ class SlowWork:
     def __init__(self, work, issued: float) -> None:
         self.work, self.issued = work, issued
 
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.issued + DELAY_S and (self.work is None or self.work.is_completed())
+
     def wait(self, *args):
         if self.work is not None:
             self.work.wait()
