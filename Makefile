@@ -10,7 +10,7 @@ ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test accept clean distclean
+.PHONY: venv demo bench test accept clean distclean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml
 # One thread per rank: the two ranks share the 2 cores.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 demo/train.py $(ARGS)
+
+# shardkit next to FSDP2, DDP and a local model on 2 CPU ranks; make bench ARGS=--quick for a short run.
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/bench.py $(ARGS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests

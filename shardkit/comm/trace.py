@@ -47,7 +47,8 @@ class Event:
 class CollectiveStats:
     calls: int = 0
     nbytes: int = 0  # unsharded-side buffer bytes, summed
-    wire_nbytes: int = 0  # bytes each rank sends: (world - 1) / world of the buffer
+    wire_nbytes: int = 0  # bytes each rank sends: (world - 1) / world of the buffer, twice that
+    # for an all-reduce (and for a reduce-scatter done as one, "via all_reduce", on gloo)
 
 
 class Trace:
@@ -67,7 +68,8 @@ class Trace:
             s = stats[e.kind]
             s.calls += 1
             s.nbytes += e.nbytes
-            s.wire_nbytes += e.nbytes * (e.world - 1) // e.world
+            passes = 2 if e.kind == "all_reduce" or e.detail == "via all_reduce" else 1
+            s.wire_nbytes += passes * e.nbytes * (e.world - 1) // e.world
         return stats
 
     def format(self, kinds: tuple[str, ...] | None = None) -> str:

@@ -1,0 +1,449 @@
+"""shardkit next to torch's FSDP2, DDP and a plain local model: step time, collectives, memory.
+
+    python benchmarks/bench.py [--quick] [--json PATH]      (or: make bench ARGS=--quick)
+
+Part 1, distributed: 2 gloo ranks on the CPU (spawned by this script), one thread each. Every
+rank builds the same GPT four times from one seed: sharded with shardkit, sharded with FSDP2,
+wrapped in DDP, and plain ("local": no communication, each rank trains its own copy on its
+own batch, so it feels the same CPU contention). All four use the same AdamW and see the same
+batches. After a warm-up, the implementations take turns in interleaved rounds (the order
+rotates each round), so slow drift of the machine hits them all alike. A round's number per
+implementation is the median step time of the slower rank; the table shows the median over
+rounds and the min..max, and the ratios are paired per round (shardkit / fsdp2 in the same
+round) before taking their median. Collectives are counted over one extra step: shardkit by
+its own trace, FSDP2 by wrapping the torch.distributed functions it calls, DDP from its
+gradient buckets (its all-reduce runs in C++). Bytes are the logical buffer: all-gather output,
+reduce-scatter input, all-reduce tensor. Peak RSS is the kernel's high-water mark over three
+steps after resetting it; all four models live in one process, so every number includes the
+others' parameters and state (the same baseline for all); compare differences, not totals.
+How to read it: a ratio below 1 means shardkit is faster; a spread (min..max) that straddles
+the other implementation's median means the difference is within this machine's noise.
+
+Part 2, hook overhead: in this process on the fake process group (world 8, collectives return
+at once and move nothing), a stack of tiny Linear blocks, one group each, forward + backward.
+What is left over the plain model is the per-group cost of hooks, copies and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import shardkit
+from shardkit.models import GPT, GPTConfig, apply_fully_shard
+
+IMPLS = ("shardkit", "fsdp2", "ddp", "local")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+WORLD = 2
+WARMUP_STEPS = 3
+MEMORY_STEPS = 3
+MiB = 1024 * 1024
+# Flags left unset take their value from the preset: the default run, or --quick.
+PRESETS = {
+    "full": dict(layers=6, dim=192, heads=6, rounds=5, steps=8, overhead_blocks=48, overhead_steps=30),
+    "quick": dict(layers=4, dim=128, heads=4, rounds=3, steps=4, overhead_blocks=16, overhead_steps=15),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small run, under a minute on 2 cores")
+    for name in ("layers", "dim", "heads", "rounds", "steps", "overhead-blocks", "overhead-steps"):
+        parser.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--vocab", type=int, default=65)
+    parser.add_argument("--overhead-dim", type=int, default=64)
+    parser.add_argument("--foreach", choices=("auto", "on", "off"), default="auto", help="AdamW foreach")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every number here")
+    parser.add_argument("--only-overhead", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
+    args = parser.parse_args()
+    for key, value in PRESETS["quick" if args.quick else "full"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for ``t``: its local shard for a DTensor."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def read_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])  # "VmHWM:   123456 kB"
+    raise KeyError(field_name)
+
+
+# ---------------------------------------------------------------- part 1: runs in each rank
+
+
+@dataclass
+class Impl:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    steps_done: int = 0  # picks the batch, so every implementation sees the same sequence
+    last_loss: float = float("nan")
+
+
+def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
+    config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
+    torch.manual_seed(args.seed)
+    base = GPT(config)  # deepcopy keeps the tied head/embedding weight tied
+    models = {
+        "shardkit": apply_fully_shard(copy.deepcopy(base), shardkit.fully_shard, mesh=mesh),
+        "fsdp2": apply_fully_shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh),
+        "ddp": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
+        "local": base,
+    }
+    foreach = {"auto": None, "on": True, "off": False}[args.foreach]
+    return {name: Impl(name, m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=foreach)) for name, m in models.items()}
+
+
+def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(args.seed + 1000 * dist.get_rank() + step)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=generator)  # (B, T + 1)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # inputs and next-token targets, (B, T) each
+
+
+def train_step(impl: Impl, args: argparse.Namespace, probe=None) -> float:
+    """One optimizer step on the implementation's next batch; returns its seconds."""
+    x, y = make_batch(args, impl.steps_done)
+    start = time.perf_counter()
+    impl.optimizer.zero_grad(set_to_none=True)
+    _, loss = impl.model(x, y)
+    loss.backward()
+    if probe:
+        probe()
+    impl.optimizer.step()
+    seconds = time.perf_counter() - start
+    impl.steps_done += 1
+    impl.last_loss = loss.item()
+    return seconds
+
+
+def time_rounds(impls: dict[str, Impl], args: argparse.Namespace) -> torch.Tensor:
+    """Step seconds, (rounds, impls, steps); the implementation order rotates every round."""
+    times = torch.zeros(args.rounds, len(IMPLS), args.steps, dtype=torch.float64)
+    for r in range(args.rounds):
+        order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
+        for name in order:
+            dist.barrier()
+            for s in range(args.steps):
+                times[r, IMPLS.index(name), s] = train_step(impls[name], args)
+    return times
+
+
+# The torch.distributed functions FSDP2 may call: name -> (kind, position and name of the whole buffer).
+TORCH_COLLECTIVES = {
+    "all_gather_single": ("all_gather", 0, "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),  # the pre-2.13 name
+    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),  # the pre-2.13 name
+    "all_reduce": ("all_reduce", 0, "tensor"),
+}
+
+
+@contextlib.contextmanager
+def counting_torch_collectives(counts: dict):
+    """Count calls and buffer bytes of the torch.distributed collectives while active."""
+
+    def counted(name, original):
+        kind, position, keyword = TORCH_COLLECTIVES[name]
+
+        def wrapper(*args, **kwargs):
+            buffer = args[position] if len(args) > position else kwargs[keyword]
+            counts[kind][0] += 1
+            counts[kind][1] += nbytes(buffer)
+            counts["functions"].add(name)
+            return original(*args, **kwargs)
+        return wrapper
+
+    originals = {name: getattr(dist, name) for name in TORCH_COLLECTIVES if hasattr(dist, name)}
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def count_collectives(impl: Impl, args: argparse.Namespace) -> dict:
+    """{kind: [calls, bytes]} over one step, and the torch functions seen (FSDP2 only)."""
+    counts = {kind: [0, 0] for kind in KINDS} | {"functions": set()}
+    if impl.name == "shardkit":
+        with shardkit.trace() as t:
+            train_step(impl, args)
+        for kind, stats in t.summary().items():
+            counts[kind] = [stats.calls, stats.nbytes]
+        counts["sent"] = sum(stats.wire_nbytes for stats in t.summary().values())
+    elif impl.name == "fsdp2":
+        with counting_torch_collectives(counts):
+            train_step(impl, args)
+    else:
+        train_step(impl, args)
+    if impl.name == "ddp":  # one all-reduce per gradient bucket, issued from C++: read the buckets instead
+        data = impl.model._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        buckets = [int(size) for size in str(sizes).split(",") if size.strip()]
+        counts["all_reduce"] = [len(buckets), sum(buckets)]
+    if "sent" not in counts:  # ring algorithms: (w-1)/w of the buffer, twice for an all-reduce
+        share = (WORLD - 1) / WORLD
+        counts["sent"] = share * (counts["all_gather"][1] + counts["reduce_scatter"][1] + 2 * counts["all_reduce"][1])
+    counts["functions"] = sorted(counts["functions"])
+    return counts
+
+
+def state_bytes(impl: Impl) -> int:
+    """Parameters, gradients and optimizer state this rank holds."""
+    params = list(impl.model.parameters())
+    total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in params)
+    for state in impl.optimizer.state.values():
+        total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def release_free_heap() -> None:
+    """Return freed heap pages to the kernel: glibc keeps them, and they would hide each step's peak."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def peak_rss_mib(impl: Impl, args: argparse.Namespace) -> tuple[float, float]:
+    """RSS before, and its high-water mark over a few steps (reset first, or sampled where we cannot)."""
+    gc.collect()
+    release_free_heap()
+    dist.barrier()
+    start = read_status_kib("VmRSS") / 1024
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        probe, samples = None, []
+    except OSError:
+        samples = [read_status_kib("VmRSS")]
+        probe = lambda: samples.append(read_status_kib("VmRSS"))  # noqa: E731
+    for _ in range(MEMORY_STEPS):
+        train_step(impl, args, probe)
+        if probe:
+            probe()
+    return start, (max(samples) if probe else read_status_kib("VmHWM")) / 1024
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    impls = build_impls(args, init_device_mesh("cpu", (WORLD,)))
+    for impl in impls.values():
+        for _ in range(WARMUP_STEPS):
+            train_step(impl, args)
+    times = time_rounds(impls, args)
+    counts = {name: count_collectives(impls[name], args) for name in IMPLS}
+    rss = torch.tensor([peak_rss_mib(impls[name], args) for name in IMPLS], dtype=torch.float64)  # (impls, 2)
+    held = torch.tensor([state_bytes(impls[name]) for name in IMPLS], dtype=torch.float64)
+    losses = torch.tensor([impls[name].last_loss for name in IMPLS], dtype=torch.float64)
+    all_times = [torch.zeros_like(times) for _ in range(WORLD)]
+    dist.all_gather(all_times, times)
+    for tensor in (rss, held):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(losses)  # summed; divided by WORLD below
+    if rank == 0:
+        result = summarize(args, impls["local"], all_times, counts)
+        for i, name in enumerate(IMPLS):
+            result["impls"][name].update(start_rss_mib=rss[i, 0].item(), peak_rss_mib=rss[i, 1].item(),
+                                         held_mib_per_rank=held[i].item() / MiB, last_loss=losses[i].item() / WORLD)
+        print_distributed(make_console(), result)
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    # The sharded parameters hold the mesh, which holds the group: free them before destroying it.
+    del impls
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def summarize(args: argparse.Namespace, local: Impl, all_times: list[torch.Tensor], counts: dict) -> dict:
+    """Per round: the median step of each rank, then the slower rank; then medians over rounds."""
+    round_ms = torch.stack([t.median(dim=2).values for t in all_times]).amax(dim=0) * 1000  # (rounds, impls)
+    tokens = args.batch * args.seq * WORLD
+    result = {"config": vars(args), "world": WORLD,
+              "param_mib": sum(p.numel() * p.element_size() for p in local.model.parameters()) / MiB,
+              "impls": {}, "ratios": {}}
+    for i, name in enumerate(IMPLS):
+        ms = round_ms[:, i].tolist()
+        result["impls"][name] = {
+            "step_ms_per_round": ms, "step_ms": statistics.median(ms), "tokens_per_s": tokens / statistics.median(ms) * 1000,
+            "step_s_per_rank_round_step": [t[:, i].tolist() for t in all_times],
+            "collectives_per_step": {k: {"calls": c[0], "bytes": c[1]} for k, c in counts[name].items() if k in KINDS},
+            "sent_bytes_per_rank_step": counts[name]["sent"],
+            "torch_functions_called": counts[name]["functions"],
+        }
+    for a, b in (("shardkit", "fsdp2"), ("shardkit", "ddp"), ("local", "ddp")):
+        per_round = (round_ms[:, IMPLS.index(a)] / round_ms[:, IMPLS.index(b)]).tolist()
+        result["ratios"][f"{a}/{b}"] = {"per_round": per_round, "median": statistics.median(per_round)}
+    return result
+
+
+def make_console() -> Console:
+    # Piped output (make bench | tee) would otherwise wrap the tables at 80 columns.
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3g}..{max(values):.3g}"
+
+
+def print_distributed(console: Console, result: dict) -> None:
+    c = result["config"]
+    table = Table(title=f"GPT {c['layers']}x{c['dim']} (heads {c['heads']}), {result['world']} gloo ranks, "
+                        f"batch {c['batch']}x{c['seq']} per rank, {c['rounds']} rounds x {c['steps']} steps")
+    for header in ("impl", "step ms\n(min..max rounds)", "tokens/s\n(global)", "peak RSS MiB\n(+ over start)",
+                   "all-gather\n/step", "reduce-scatter\n/step", "all-reduce\n/step", "sent MiB\n/rank/step",
+                   "param+grad+optim\nMiB/rank"):
+        table.add_column(header, justify="right")
+    for name, r in result["impls"].items():
+        cells = [f"{s['calls']} x {s['bytes'] / MiB:.2f} MiB" if s["calls"] else "-"
+                 for s in r["collectives_per_step"].values()]
+        rss = f"{r['peak_rss_mib']:.0f} (+{r['peak_rss_mib'] - r['start_rss_mib']:.0f})"
+        table.add_row(name, f"{r['step_ms']:.1f} ({spread(r['step_ms_per_round'])})", f"{r['tokens_per_s']:,.0f}",
+                      rss, *cells, f"{r['sent_bytes_per_rank_step'] / MiB:.2f}", f"{r['held_mib_per_rank']:.2f}")
+    console.print(table)
+    console.print("ratios (median of paired per-round ratios, min..max): " + ", ".join(
+        f"{k} {v['median']:.2f} ({spread(v['per_round'])})" for k, v in result["ratios"].items()))
+    console.print(f"model fp32 parameters: {result['param_mib']:.2f} MiB. Expected per step: all-gather 2x that "
+                  "(forward and backward, less any group kept unsharded), reduce-scatter 1x, all-reduce 1x.\n"
+                  "Bytes: the logical buffer (all-gather output, reduce-scatter input); ddp: calls = gradient buckets.\n"
+                  "Peak RSS: all four models share each process, so it includes the others' memory (same baseline).\n"
+                  "param+grad+optim: what the optimizer sees; DDP also keeps its gradient buckets (1x parameters).\n"
+                  "sent: bytes each rank puts on the wire (ring algorithms). On gloo shardkit reduce-scatters with an\n"
+                  "all-reduce (faster there, see docs/design.md), which sends twice the reduce-scatter minimum.\n"
+                  f"FSDP2 called: {', '.join(result['impls']['fsdp2']['torch_functions_called']) or 'nothing counted'}")
+    losses = {name: r["last_loss"] for name, r in result["impls"].items()}
+    console.print("last-step loss (mean over ranks): " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
+    gap = abs(losses["shardkit"] - losses["fsdp2"]) / abs(losses["fsdp2"])
+    if gap > 1e-3:
+        console.print(f"[red]warning: shardkit and fsdp2 losses differ by {gap:.2e} relative (> 1e-3)[/]")
+
+
+def run_distributed(args: argparse.Namespace) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        mp.spawn(rank_main, args=(args, port, out_path), nprocs=WORLD)
+        with open(out_path) as f:
+            return json.load(f)
+
+
+# ---------------------------------------------------------------- part 2: hook overhead, in this process
+
+
+def tiny_stack(blocks: int, dim: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(blocks)))
+
+
+def overhead_step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def run_overhead(args: argparse.Namespace) -> dict:
+    """Forward + backward of tiny blocks on the fake process group: the per-group runtime cost."""
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # the fake all-gather leaves buffers unwritten: keep junk floats cheap
+    world = 8
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        models = {"plain": tiny_stack(args.overhead_blocks, args.overhead_dim)}
+        for name, shard in (("shardkit", shardkit.fully_shard), ("fsdp2", torch_fully_shard)):
+            model = tiny_stack(args.overhead_blocks, args.overhead_dim)
+            for block in model:
+                shard(block, mesh=mesh)
+            models[name] = shard(model, mesh=mesh)
+        x = torch.randn(8, args.overhead_dim)  # (batch, dim)
+        times = {name: [] for name in models}
+        for model in models.values():
+            overhead_step_ms(model, x, 5)  # warm-up
+        for _ in range(3):  # three interleaved rounds, so drift hits every model alike
+            for name, model in models.items():
+                times[name] += overhead_step_ms(model, x, args.overhead_steps // 3)
+        del models, model
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {"shardkit/plain": ms["shardkit"] / ms["plain"], "fsdp2/plain": ms["fsdp2"] / ms["plain"],
+              "shardkit/fsdp2": ms["shardkit"] / ms["fsdp2"]}
+    return {"world": world, "blocks": args.overhead_blocks, "dim": args.overhead_dim,
+            "step_ms": ms, "step_ms_all": times, "ratios": ratios}
+
+
+def print_overhead(console: Console, result: dict) -> None:
+    table = Table(title=f"hook overhead (fake PG, world {result['world']})")
+    table.add_column("impl")
+    table.add_column("median step ms", justify="right")
+    table.add_column("per group us", justify="right")
+    plain = result["step_ms"]["plain"]
+    for name, ms in result["step_ms"].items():
+        per_group = "-" if name == "plain" else f"{(ms - plain) * 1000 / (result['blocks'] + 1):.0f}"
+        table.add_row(name, f"{ms:.2f}", per_group)
+    console.print(table)
+    console.print(f"{result['blocks']} blocks of Linear({result['dim']}, {result['dim']}) + ReLU, one group each, plus the root.")
+    console.print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+
+
+def main() -> int:
+    args = parse_args()
+    console = make_console()
+    start = time.perf_counter()
+    results = {}
+    if not args.only_overhead:
+        results["distributed"] = run_distributed(args)  # the ranks print their table
+    if not args.skip_overhead:
+        results["overhead"] = run_overhead(args)  # after the ranks have exited: no gloo group here
+        print_overhead(console, results["overhead"])
+    console.print(f"wall time {time.perf_counter() - start:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
