@@ -163,7 +163,8 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
 
 def print_report(console: Console, rows: list[dict], result: TrainResult, first: float, last: float) -> None:
     table = Table(title=f"shardkit: {result.steps} steps in {result.seconds:.1f} s",
-                  caption="collective MiB: the unsharded-side buffer; each rank sends (world - 1) / world of it")
+                  caption="collective MiB: the unsharded-side buffer; each rank sends (world - 1) / world of it "
+                          "(twice that for the reduce-scatter on gloo, run as an all-reduce)")
     for header in ["rank", "sharded\nparams", "all-gather\nper step", "reduce-scatter\nper step",
                    "peak\nRSS", "first\nloss", "last\nloss"]:
         table.add_column(header, justify="right")
