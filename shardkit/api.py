@@ -16,7 +16,7 @@ from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.hooks import GroupState, class_name, state_of
 from shardkit.module import FSDPModule
 from shardkit.param_group import ParamGroup
-from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_supported
+from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 
 _fsdp_classes: dict[type, type] = {}  # original class -> its FSDP subclass, made once
 
@@ -43,7 +43,10 @@ def fully_shard(
     1-D ``mesh`` (default: all ranks); they form ONE group, all-gathered in one collective
     before forward and backward and reduce-scattered in one collective after backward.
     ``reshard_after_forward`` frees the gathered parameters after forward (default: True
-    except for the root). A list of modules makes one group of all of them.
+    except for the root); an int R keeps 1/R of them so that backward gathers among R
+    ranks only. ``mp_policy`` sets the dtypes of the all-gather/compute and of the gradient
+    reduction; ``CPUOffloadPolicy`` keeps the shards and gradients on the CPU. A list of
+    modules makes one group of all of them.
 
     Example::
 
@@ -59,19 +62,25 @@ def fully_shard(
     modules = _check_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     _check_mesh(mesh)
-    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-    check_supported(mp_policy, offload_policy)
+    reshard_after_forward, post_forward_mesh = _check_reshard_after_forward(reshard_after_forward, mesh)
+    mp_policy, offload, pin_memory = check_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params, modules)
     device = _mesh_device(mesh)
 
     managed, nested = _managed_modules(modules)
     slots = _param_slots(managed, ignored)
     _move_buffers(managed, device)
-    params = [_shard_param(p, s, mesh, device, shard_placement_fn) for p, s in slots.items()]
+    options = dict(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        offload=offload,
+        pin_memory=pin_memory,
+    )
+    params = [_shard_param(p, s, mesh, device, shard_placement_fn, options) for p, s in slots.items()]
     for original in slots:  # other modules may still hold the original (tied) parameter
         original._shardkit_sharded_by = class_name(modules[0])
-    group = ParamGroup(params, mesh) if params else None
-    state = GroupState(modules, group, reshard_after_forward, device)
+    group = ParamGroup(params, mesh, post_forward_mesh) if params else None
+    state = GroupState(modules, group, reshard_after_forward, device, mp_policy)
     for p in params:
         p.to_sharded()
     for inner in nested:
@@ -129,9 +138,11 @@ def _check_mesh(mesh: Any) -> None:
         raise ValueError(f"fully_shard expects a 1-D DeviceMesh (data-parallel dim), got a {mesh.ndim}-D mesh {mesh}.")
 
 
-def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | None:
+def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | None, DeviceMesh | None]:
+    """The bool (or None: decided at lazy init), and for an int R strictly between 1 and the
+    world size, the (world / R, R) mesh whose dim 1 holds the post-forward shards."""
     if value is None or isinstance(value, bool):
-        return value
+        return value, None
     if not isinstance(value, int):
         raise ValueError(
             f"reshard_after_forward should be None, a bool, or an int dividing the mesh size, not {value!r}"
@@ -140,13 +151,23 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | None:
     if value < 1 or world % value != 0:
         raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {world}, not {value}")
     if value == world:
-        return True
+        return True, None
     if value == 1:
         warnings.warn("reshard_after_forward=1 (int) keeps parameters unsharded after forward; use False", stacklevel=3)
-        return False
-    raise NotImplementedError(
-        f"shardkit does not support resharding to {value} ranks after forward yet; pass True or False."
-    )
+        return False, None
+    return True, _post_forward_mesh(mesh, value)
+
+
+_post_forward_meshes: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
+
+
+def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
+    """Consecutive ranks of ``mesh`` in groups of ``size`` (e.g. the GPUs of a node), made once
+    per (mesh, size): creating it is collective, so every rank must get here in the same order."""
+    key = (mesh, size)
+    if key not in _post_forward_meshes:
+        _post_forward_meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, size))
+    return _post_forward_meshes[key]
 
 
 def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
@@ -226,7 +247,7 @@ def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn) -> ShardedParam:
+def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn, options: dict) -> ShardedParam:
     where = f"'{slots[0].name}' of {class_name(slots[0].module)}"
     if isinstance(p, DTensor):
         raise NotImplementedError(
@@ -237,7 +258,7 @@ def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, devi
         placement = placement_fn(p)
         if placement is not None and placement != Shard(0):
             raise NotImplementedError(f"shard_placement_fn returned {placement} for {where}; shardkit supports Shard(0) only for now.")
-    return ShardedParam(p, slots, mesh, device)
+    return ShardedParam(p, slots, mesh, device, **options)
 
 
 def _fsdp_class(cls: type) -> type:

@@ -30,9 +30,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.param_group import ParamGroup, still_on_meta
+from shardkit.policies import MixedPrecisionPolicy
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
 
 
@@ -55,10 +57,19 @@ class RootContext:
 
 
 class GroupState:
-    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None, reshard_after_forward: bool | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        reshard_after_forward: bool | None,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    ) -> None:
         self.modules = modules
         self.group = group
         self.device = device
+        self.mp_policy = mp_policy
+        self.unshard_in_backward = True  # set_unshard_in_backward(False): backward needs no parameters
         self.machine = PhaseMachine()
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
@@ -130,14 +141,15 @@ class GroupState:
             # Another module of a multi-module group, or a nested call: forward() inside a
             # method registered with register_fsdp_forward_method (generate), or recursion.
             self._open_calls += 1
-            return args, kwargs
+            return self._cast_inputs(args, kwargs)
         if self.machine.phase is Phase.PRE_BACKWARD:  # recomputation inside backward
             self.machine.advance(PhaseEvent.PRE_FORWARD)
             self._unshard_now()
-            return args, kwargs
+            return self._cast_inputs(args, kwargs)
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
             args, kwargs = self._inputs_to_device(args, kwargs)
+        args, kwargs = self._cast_inputs(args, kwargs)
         self.machine.advance(PhaseEvent.PRE_FORWARD)
         self._modules_to_run, self._open_calls = set(self.modules), 1
         self._unshard_now()
@@ -147,6 +159,7 @@ class GroupState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        output = self._cast_output(output)
         if self.machine.phase is Phase.PRE_BACKWARD:  # recomputation: keep parameters for backward
             self.machine.advance(PhaseEvent.POST_FORWARD)
             return output
@@ -169,7 +182,9 @@ class GroupState:
 
     def _finish_forward(self, output: Any) -> None:
         if self.group is not None:
-            if self.reshard_after_forward:
+            if self.reshard_after_forward and self.group.post_forward_mesh is not None and torch.is_grad_enabled():
+                self.group.reshard_to_post_forward()  # keep 1/R for the backward all-gather among R ranks
+            elif self.reshard_after_forward:
                 self.group.reshard()
             elif not torch.is_grad_enabled():
                 # No backward follows, so the step is over: the module shows its sharded
@@ -182,6 +197,18 @@ class GroupState:
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)
         self.machine.advance(PhaseEvent.POST_FORWARD)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point tensor inputs to ``param_dtype`` (``MixedPrecisionPolicy``)."""
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        return _cast_floating((args, kwargs), dtype)
+
+    def _cast_output(self, output: Any) -> Any:
+        """Floating-point tensor outputs to ``output_dtype`` (``MixedPrecisionPolicy``)."""
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else _cast_floating(output, dtype)
 
     def _inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The root moves forward inputs to the accelerator, like DDP and FSDP2."""
@@ -197,9 +224,9 @@ class GroupState:
             self.group.unshard()
             self.group.wait_for_unshard()
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, backward: bool = False) -> None:
         """Issue this group's all-gather early; its own pre-forward/backward waits for it."""
-        if self.group is not None:
+        if self.group is not None and (self.unshard_in_backward or not backward):
             self.group.unshard()
 
     def _prefetch_forward(self) -> None:
@@ -226,7 +253,7 @@ class GroupState:
         else:
             targets = ()
         for target in targets:
-            target._prefetch()
+            target._prefetch(backward=True)
 
     # Backward ------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -236,7 +263,8 @@ class GroupState:
         if not self.ctx.final_callback_queued:
             self.ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(self.ctx.states[0]._finish_backward)
-        self._unshard_now()
+        if self.unshard_in_backward:
+            self._unshard_now()
         self._prefetch_backward()
 
     def _post_backward(self) -> None:
@@ -262,6 +290,8 @@ class GroupState:
         for group in ctx.reducing:  # the optimizer step comes next
             group.finish_reduce()
         ctx.reducing = []
+        if ctx.device.type == "cuda" and any(s.group.host_sync for s in ctx.states if s.group):
+            torch.cuda.current_stream(ctx.device).synchronize()  # offloaded grads copied to pinned memory
         for state in ctx.states:
             state.machine.advance(PhaseEvent.FINALIZE)
             if state.group is not None and state.group._pending:  # prefetched, then not used
@@ -317,6 +347,12 @@ class _PostBackward(torch.autograd.Function):
         for i, out in zip(where, outs):
             flat[i] = out
         return tree_unflatten(flat, spec)
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor inside ``obj`` (tuples, dicts, dataclasses, ...) as ``dtype``."""
+    cast = lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x  # noqa: E731
+    return _apply_to_tensors(cast, obj)
 
 
 def state_of(module: nn.Module) -> GroupState | None:

@@ -59,6 +59,13 @@ class FSDPModule:
         for module in _fsdp_modules(self, recurse):
             state = module._shardkit()
             state.reshard_after_forward = state.reshard_after_forward_arg = reshard_after_forward
+            if state.group is not None:  # a bool replaces an int: reshard to the whole mesh or not at all
+                state.group.post_forward_mesh = None
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward does not all-gather this module's parameters again (for modules
+        whose backward needs no parameter values, e.g. an embedding). Not recursive."""
+        self._shardkit().unshard_in_backward = unshard_in_backward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for group in _groups(self, recurse):

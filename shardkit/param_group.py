@@ -52,18 +52,26 @@ def still_on_meta(names: list[str]) -> RuntimeError:
 
 
 class ParamGroup:
-    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, post_forward_mesh: DeviceMesh | None = None) -> None:
         self.params = params
         self.mesh = mesh
         self.world = mesh.size()
+        # reshard_after_forward=R: a (world / R, R) mesh whose dim 1 is this rank's R ranks.
+        self.post_forward_mesh = post_forward_mesh
+        if post_forward_mesh is not None:
+            for p in params:
+                p.set_post_forward(post_forward_mesh.size(1), post_forward_mesh.get_local_rank(1))
         self.name = ""  # the owning modules' FQNs, set at lazy init
         self.is_unsharded = False  # which parameters the modules hold
         self._holds_data = False  # whether the unsharded storage holds gathered data
+        self._holds_post_forward = False  # whether the parameters' post-forward shards are kept
         self._pending: list[PendingAllGather] = []  # issued, not yet waited for
+        self._pending_post_forward = False  # ... from the post-forward shards
         self._reducing: list[PendingReduceScatter] = []  # issued, not yet waited for
         self._gathered_versions: list[int] = []  # padded-shard versions when we last gathered
-        self._buckets: list[Bucket] | None = None
+        self._ag_buckets: list[Bucket] | None = None  # None until lazy init
         self.stale = False  # an optimizer stepped since we gathered
+        self.host_sync = any(p.pin_memory for p in params)  # gradients go to pinned host memory asynchronously
         _install_step_hook_once()
         optim.install_once()
         # Knobs set through FSDPModule.set_* (FSDP2 names).
@@ -73,19 +81,26 @@ class ParamGroup:
 
     # Unshard / reshard -------------------------------------------------------------------
     def lazy_init(self) -> None:
-        meta = [p.fqn for p in self.params if p.device.type == "meta"]
+        meta = [p.fqn for p in self.params if p.shard_device.type == "meta"]
         if meta:
             raise still_on_meta(meta)
         for p in self.params:
             p.alloc_unsharded()
-        self._buckets = collectives.buckets_by_dtype(self.params)
-        self._comm = Comm.of(self.mesh.get_group(), streams_for(self.params[0].device))
+        streams = streams_for(self.params[0].device)
+        self._comm = Comm.of(self.mesh.get_group(), streams)
+        self._ag_buckets = collectives.buckets(self.params, "param_dtype", self.world)
+        self._rs_buckets = collectives.buckets(self.params, "reduce_dtype", self.world)
+        if self.post_forward_mesh is not None:
+            self._post_comm = Comm.of(self.post_forward_mesh.get_group(1), streams)
+            self._post_buckets = collectives.buckets(self.params, "param_dtype", self._post_comm.world, post_forward=True)
 
     def unshard(self) -> None:
         """Issue the all-gather (``wait_for_unshard`` finishes it); a no-op if one is issued
-        or the gathered data is still fresh."""
+        or the gathered data is still fresh. After ``reshard_to_post_forward`` it gathers
+        from the post-forward shards, among their R ranks only."""
+        fresh = not self.stale and self._gathered_versions == self._shard_versions()
         if self._pending or self._holds_data:
-            if not self.stale and self._gathered_versions == self._shard_versions():
+            if fresh:
                 if not self._pending:
                     self._register_unsharded()  # data kept by reshard(free=False)
                 return
@@ -96,38 +111,68 @@ class ParamGroup:
                 "not initialized (call init_process_group first, and do not destroy it while "
                 "training)."
             )
-        if self._buckets is None:
+        if self._ag_buckets is None:
             self.lazy_init()
-        self._pending = [collectives.all_gather(b, self._comm, self.name) for b in self._buckets]
-        self._gathered_versions = self._shard_versions()
-        self.stale = False
+        if self._holds_post_forward and fresh:
+            self._pending = [collectives.all_gather(b, self._post_comm, self.name) for b in self._post_buckets]
+            self._pending_post_forward = True
+        else:
+            self._drop_post_forward()
+            self._pending = [collectives.all_gather(b, self._comm, self.name) for b in self._ag_buckets]
+            self._gathered_versions = self._shard_versions()
+            self.stale = False
         _live_unsharded.add(self)
 
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
         if not self._pending:
             return
+        comm = self._post_comm if self._pending_post_forward else self._comm
         for pending in self._pending:
-            collectives.finish_all_gather(pending, self._comm)
+            collectives.finish_all_gather(pending, comm)
         self._pending = []
+        if self._pending_post_forward:
+            self._pending_post_forward = False
+            self._drop_post_forward()
         self._holds_data = True
         self._register_unsharded()
 
-    def reshard(self, free: bool = True) -> None:
+    def reshard(self, free: bool = True, keep_post_forward: bool = False) -> None:
         """Register the sharded parameters; free the unsharded storage unless ``free=False``
         (the data is then reused by the next unshard if no optimizer step came between)."""
         if self._pending:
             self.wait_for_unshard()
+        if not keep_post_forward:
+            self._drop_post_forward()
         if self.is_unsharded:
             for p in self.params:
                 p.to_sharded()
             self.is_unsharded = False
-            trace.record("reshard", self.name, "" if free else "(data kept)")
+            detail = "(data kept)" if not free else f"(1/{self._post_comm.world} kept)" if keep_post_forward else ""
+            trace.record("reshard", self.name, detail)
         if free and self._holds_data:
             for p in self.params:
                 free_storage(p.unsharded_flat)
             self._holds_data = False
-            _live_unsharded.discard(self)
+            if not self._holds_post_forward:
+                _live_unsharded.discard(self)
+
+    def reshard_to_post_forward(self) -> None:
+        """After forward with ``reshard_after_forward=R``: keep this rank's 1/R of every
+        parameter for the backward all-gather among R ranks, free the rest."""
+        if self._pending:
+            self.wait_for_unshard()
+        if self._holds_data:
+            for p in self.params:
+                p.keep_post_forward_shard()
+            self._holds_post_forward = True
+        self.reshard(keep_post_forward=True)
+
+    def _drop_post_forward(self) -> None:
+        if self._holds_post_forward:
+            for p in self.params:
+                p.post_forward_shard = None
+            self._holds_post_forward = False
 
     def _register_unsharded(self) -> None:
         if not self.is_unsharded:
@@ -148,19 +193,19 @@ class ParamGroup:
         Every trainable parameter takes part, with a zero gradient where this rank has none,
         so ranks that used different parameters still issue the same collectives.
         """
-        if self._buckets is None:
+        if self._ag_buckets is None:
             return  # never ran: no gradients
         if not self.reduce_grads:
             for p in self.params:
                 if p.requires_grad:
                     p.accumulate_unreduced_grad()
             return
-        for bucket in self._buckets:
+        for bucket in self._rs_buckets:
             trainable = [p for p in bucket.params if p.requires_grad]
             if not trainable:
                 continue  # frozen parameters get no reduction
             grads = [p.take_unsharded_grad() for p in trainable]
-            sub = bucket if len(trainable) == len(bucket.params) else Bucket.of(trainable)
+            sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
             self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, self.gradient_divide_factor))
 
     def reduce_done(self) -> bool:
@@ -180,4 +225,4 @@ class ParamGroup:
         """Forget buffer layouts after the parameters' dtype or device changed."""
         self.reshard()
         self.finish_reduce()
-        self._buckets = None
+        self._ag_buckets = None

@@ -1,8 +1,4 @@
-"""The policy dataclasses of FSDP2, by the same names and defaults.
-
-Non-default values are accepted by the constructors (so code written for FSDP2 imports and
-builds them) but ``fully_shard`` refuses them until mixed precision and offload land.
-"""
+"""The policy dataclasses of FSDP2, by the same names, fields and defaults."""
 
 from __future__ import annotations
 
@@ -34,15 +30,22 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-def check_supported(mp_policy: object, offload_policy: object) -> None:
-    """Refuse what this version cannot do yet, with a message that says so."""
-    dtypes = [getattr(mp_policy, f, None) for f in ("param_dtype", "reduce_dtype", "output_dtype")]
-    if any(d is not None for d in dtypes):
-        raise NotImplementedError(
-            f"shardkit does not support mixed precision yet (got {mp_policy}); "
-            "pass mp_policy=MixedPrecisionPolicy() or use autocast."
-        )
-    if type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError(
-            f"shardkit does not support {type(offload_policy).__name__} yet; pass offload_policy=OffloadPolicy()."
-        )
+_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def check_policies(mp_policy: object, offload_policy: object) -> tuple[MixedPrecisionPolicy, bool, bool]:
+    """(mixed precision, offload?, pin memory?), from shardkit's policies or torch FSDP2's
+    (code that switched only the ``fully_shard`` import still passes torch's), with
+    messages that say what to pass instead."""
+    if not all(hasattr(mp_policy, f) for f in _FIELDS):
+        raise TypeError(f"mp_policy should be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp = MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in _FIELDS})
+    for field in _FIELDS[:3]:
+        dtype = getattr(mp, field)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"MixedPrecisionPolicy.{field} should be a floating-point torch.dtype or None, got {dtype!r}")
+    kind = type(offload_policy).__name__
+    if kind not in ("OffloadPolicy", "CPUOffloadPolicy"):
+        raise TypeError(f"offload_policy should be an OffloadPolicy or CPUOffloadPolicy, got {kind}")
+    offload = kind == "CPUOffloadPolicy"
+    return mp, offload, offload and bool(getattr(offload_policy, "pin_memory", True))

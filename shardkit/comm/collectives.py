@@ -42,22 +42,16 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class Bucket:
-    """The parameters of one group sharing a dtype, laid out for the collectives."""
+    """Parameters of one group that travel in one collective: one dtype, one layout."""
 
     params: list[ShardedParam]
+    dtype: torch.dtype  # what the collective carries
+    world: int  # ranks it spans
     shard_numels: list[int]  # padded shard elements per parameter
     per_rank: int  # sum of shard_numels: one rank's all-gather input / reduce-scatter output
+    post_forward: bool = False  # all-gather the post-forward shards instead of the padded shards
     _all_present: torch.Tensor | None = None
     _views: dict = field(default_factory=dict)  # views made once (they survive storage resizes)
-
-    @classmethod
-    def of(cls, params: list[ShardedParam]) -> "Bucket":
-        numels = [p.shard_numel for p in params]
-        return cls(params, numels, sum(numels))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.params[0].dtype
 
     def all_present(self, device: torch.device) -> torch.Tensor:
         """The grad-presence column when every parameter has a gradient, cached."""
@@ -65,24 +59,39 @@ class Bucket:
             self._all_present = torch.ones(len(self.params), dtype=self.dtype, device=device)
         return self._all_present
 
-    def shards(self) -> list[torch.Tensor]:
-        """Each parameter's padded shard, flat: the all-gather input pieces."""
-        if "shards" not in self._views:
-            self._views["shards"] = [p.padded_shard.view(-1) for p in self.params]
-        return self._views["shards"]
+    def inputs(self) -> list[torch.Tensor]:
+        """Each parameter's all-gather input, flat (any dtype or device: cast on copy-in)."""
+        if self.post_forward:
+            return [p.post_forward_shard for p in self.params]
+        if "inputs" not in self._views:
+            self._views["inputs"] = [p.padded_shard.view(-1) for p in self.params]
+        return self._views["inputs"]
 
-    def unsharded_columns(self, world: int) -> list[torch.Tensor]:
+    def columns(self) -> list[torch.Tensor]:
         """Each parameter's unsharded buffer as (world, shard_numel): the copy-out targets."""
         if "columns" not in self._views:
-            self._views["columns"] = [p.unsharded_flat.view(world, -1) for p in self.params]
+            self._views["columns"] = [
+                p.unsharded_flat[: self.world * n].view(self.world, n) for p, n in zip(self.params, self.shard_numels)
+            ]
         return self._views["columns"]
 
+    def subset(self, params: list[ShardedParam]) -> "Bucket":
+        """The same layout for some of the parameters (the trainable ones)."""
+        numels = [n for p, n in zip(self.params, self.shard_numels) if p in params]
+        return Bucket(params, self.dtype, self.world, numels, sum(numels), self.post_forward)
 
-def buckets_by_dtype(params: list[ShardedParam]) -> list[Bucket]:
+
+def buckets(params: list[ShardedParam], key: str, world: int, post_forward: bool = False) -> list[Bucket]:
+    """One bucket per value of ``p.<key>`` (``param_dtype`` for all-gathers, ``reduce_dtype``
+    for reduce-scatters): a group with mixed dtypes issues one collective per dtype."""
     by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    return [Bucket.of(ps) for ps in by_dtype.values()]
+        by_dtype.setdefault(getattr(p, key), []).append(p)
+    result = []
+    for dtype, ps in by_dtype.items():
+        numels = [p.post_forward_numel if post_forward else p.shard_numel for p in ps]
+        result.append(Bucket(ps, dtype, world, numels, sum(numels), post_forward))
+    return result
 
 
 @dataclass
@@ -112,17 +121,17 @@ class PendingAllGather:
 
 
 def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
-    """Issue one all-gather of the bucket's padded shards into the unsharded buffers."""
+    """Issue one all-gather of the bucket's shards into the unsharded buffers."""
+    device = bucket.params[0].device
     for p in bucket.params:
         alloc_storage(p.unsharded_flat)  # on the compute stream (see the Note in streams.py)
     world, cuda = comm.world, comm.streams.is_cuda
     trace.record("all_gather", name, dtype=bucket.dtype, numel=world * bucket.per_rank, world=world)
     with comm.streams.side("all_gather"):
+        send = _copy_in(bucket, bucket.inputs(), device)  # (per_rank,)
         if len(bucket.params) == 1:  # one parameter: gather straight into its unsharded buffer
-            p = bucket.params[0]
-            send, output = bucket.shards()[0], p.unsharded_flat
+            output = bucket.columns()[0].view(-1)
         else:
-            send = torch.cat(bucket.shards())  # (per_rank,)
             output = send.new_empty(world * bucket.per_rank)  # (world * per_rank,)
         work = _all_gather_single(output, send, group=comm.group, async_op=not cuda)
         if cuda:
@@ -139,6 +148,19 @@ def finish_all_gather(pending: PendingAllGather, comm: Comm) -> None:
     comm.streams.wait(pending.event)
 
 
+def _copy_in(bucket: Bucket, inputs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The inputs end to end in the bucket's dtype on the compute device: a view of the one
+    input, a ``torch.cat``, or, when a cast (mixed precision) or a host-to-device copy
+    (offload) is due, one ``copy_`` per input into a fresh buffer."""
+    same = all(x.dtype == bucket.dtype and x.device == device for x in inputs)
+    if same:
+        return inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+    send = torch.empty(bucket.per_rank, dtype=bucket.dtype, device=device)
+    for piece, x in zip(send.split(bucket.shard_numels), inputs):
+        piece.copy_(x, non_blocking=True)  # pinned host memory: asynchronous on the side stream
+    return send
+
+
 def _copy_out(bucket: Bucket, output: torch.Tensor, world: int) -> None:
     """Each parameter's column block of the (world, per_rank) output into its own buffer."""
     if len(bucket.params) == 1:
@@ -147,7 +169,7 @@ def _copy_out(bucket: Bucket, output: torch.Tensor, world: int) -> None:
         output.view(world, -1),  # (world, per_rank)
         bucket.shard_numels,
         dim=1,
-        out=bucket.unsharded_columns(world),  # each (world, shard_numel)
+        out=bucket.columns(),  # each (world, shard_numel)
     )
 
 
@@ -160,36 +182,45 @@ class PendingReduceScatter:
     chunk: torch.Tensor  # (per_rank + n,): this rank's reduced chunk, once finished
     work: dist.Work | None
     event: torch.cuda.Event | None
-    divide_by: float
+    divide_by: float  # after the reduction
     missing: list[int]  # indices of the parameters this rank has no gradient for
     chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
     reduced: torch.Tensor | None = None  # (per_rank,): divided (on the side stream, CUDA)
 
 
 def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, divide_factor: float | None) -> PendingReduceScatter:
-    """Issue one reduction of the bucket's unsharded grads (None where this rank has none).
+    """Issue one reduction of the bucket's unsharded grads (None where this rank has none),
+    in the bucket's dtype (``reduce_dtype``).
 
-    The result is averaged over the ranks (like DDP), or divided by ``divide_factor``.
+    The result is averaged over the ranks (like DDP), or divided by ``divide_factor``. In a
+    dtype with little range (fp16) part of the division comes before the sum, so that the sum
+    of ``world`` gradients cannot overflow (FSDP2's pre/post factors).
     """
     params, world, cuda = bucket.params, comm.world, comm.streams.is_cuda
-    divide_by = world if divide_factor is None else divide_factor
+    pre, post = _divide_factors(world if divide_factor is None else divide_factor, bucket.dtype)
     via = "via all_reduce" if comm.reduce_by_all_reduce else ""
     trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=world * (bucket.per_rank + len(params)), world=world)
     with comm.streams.side("reduce_scatter"):
+        device = params[0].device
         missing = [i for i, g in enumerate(grads) if g is None]
-        present = bucket.all_present(params[0].device)  # (n,) ones, made once: no host-to-device copy per step
+        present = bucket.all_present(device)  # (n,) ones, made once: no host-to-device copy per step
         if missing:
             present = present.clone()
             present[missing] = 0
-        filled = [g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p, g in zip(params, grads)]
+        filled = [
+            torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g.to(bucket.dtype)
+            for p, g in zip(params, grads)
+        ]
         send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
+        if pre != 1:
+            send.div_(pre)  # the presence column too: it only has to stay above zero
         if comm.reduce_by_all_reduce:
             work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=comm.group, async_op=not cuda)
             chunk = send[comm.rank]  # (per_rank + n,)
         else:
             chunk = send.new_empty(bucket.per_rank + len(params))
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=not cuda)
-        pending = PendingReduceScatter(bucket, grads if cuda else [], send, chunk, work, None, divide_by, missing, comm.reduce_by_all_reduce)
+        pending = PendingReduceScatter(bucket, grads if cuda else [], send, chunk, work, None, post, missing, comm.reduce_by_all_reduce)
         if cuda:
             pending.reduced = _divided(pending)
             pending.work, pending.send = None, None  # done on the side stream
@@ -220,6 +251,17 @@ def is_done(pending: PendingReduceScatter) -> bool:
     if pending.work is not None:
         return pending.work.is_completed()
     return pending.event is None or pending.event.query()
+
+
+def _divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(before, after) the sum. fp32/bf16/fp64: all after. Otherwise (fp16) about sqrt(factor)
+    before, a power of two, and the rest after (FSDP2's split)."""
+    if dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return 1.0, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
 
 
 def _divided(pending: PendingReduceScatter) -> torch.Tensor:

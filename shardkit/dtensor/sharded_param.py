@@ -2,7 +2,8 @@
 
 - The **padded shard** (``padded_shard``, ``(padded_rows, *rest)``) is this rank's rows of the
   original parameter followed by zero rows up to ``padded_rows``; it is the all-gather input
-  and the storage the optimizer updates in place.
+  and the storage the optimizer updates in place. It keeps the original dtype, and lives on
+  the CPU under ``CPUOffloadPolicy``.
 - The **sharded parameter** (``sharded_param``) is an ``nn.Parameter`` wrapping a ``Shard(0)``
   DTensor whose local tensor is a view of the real (unpadded) rows of the padded shard. It is
   what the module holds between steps, so the optimizer and ``state_dict()`` see it.
@@ -14,6 +15,15 @@
   The all-gather writes through ``unsharded_flat``, which shares the storage but not the
   version counter (``.data``): refilling the parameter is not an in-place edit that autograd
   would reject in backward (it saved the parameter in forward and checks its version).
+  It is in ``param_dtype`` (mixed precision) on the compute device.
+- The **post-forward shard** (``post_forward_shard``), only with ``reshard_after_forward=R``
+  (an int): this rank's ``1/R`` of the unsharded parameter, kept from the end of forward to
+  the backward all-gather, which then runs among ``R`` ranks only. Its rows are laid out
+  like the unsharded buffer's, so that all-gather fills the buffer's first rows directly.
+
+Dtypes: ``dtype`` is the original one (sharded parameter, its ``.grad``, optimizer state);
+``param_dtype`` is what the all-gather carries and forward/backward compute in;
+``reduce_dtype`` is what gradients are reduced in (``MixedPrecisionPolicy``).
 """
 
 from __future__ import annotations
@@ -38,7 +48,17 @@ class ParamSlot:
 
 
 class ShardedParam:
-    def __init__(self, param: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        slots: list[ParamSlot],
+        mesh: DeviceMesh,
+        device: torch.device,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
+        pin_memory: bool = False,
+    ):
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard cannot shard the scalar parameter '{slots[0].name}' of "
@@ -49,6 +69,15 @@ class ShardedParam:
         self.mesh = mesh
         self.world, self.rank = mesh.size(), mesh.get_local_rank()
         self.shape, self.dtype = param.shape, param.dtype
+        self.device = device  # where the unsharded parameter lives and the collectives run
+        # Mixed precision applies to floating-point parameters only (as in FSDP2).
+        floating = self.dtype.is_floating_point
+        self.param_dtype = param_dtype if param_dtype is not None and floating else self.dtype
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None and floating else self.param_dtype
+        self.offload = offload
+        self.pin_memory = pin_memory and offload and device.type != "cpu"  # pinning needs an accelerator
+        self.post_forward_rows = self.post_forward_numel = self.post_forward_index = 0  # set by set_post_forward
+        self.post_forward_shard: torch.Tensor | None = None
         self._init_requires_grad = param.requires_grad
         self.padded_rows = padded_rows(self.shape[0], self.world)
         self.local_rows = local_rows(self.shape[0], self.world, self.rank)
@@ -64,8 +93,11 @@ class ShardedParam:
     def _shard(self, full: torch.Tensor, device: torch.device) -> None:
         """Build the padded shard and the sharded DTensor parameter from a full tensor."""
         start = self.rank * self.padded_rows
+        if self.offload:
+            device = torch.device("cpu")
         device = full.device if full.device.type == "meta" else device  # meta stays meta until to_empty
-        padded = torch.empty((self.padded_rows, *self.shape[1:]), dtype=self.dtype, device=device)
+        pin = self.pin_memory and device.type == "cpu"
+        padded = torch.empty((self.padded_rows, *self.shape[1:]), dtype=self.dtype, device=device, pin_memory=pin)
         if device.type != "meta":
             with torch.no_grad():
                 padded[: self.local_rows].copy_(full[start : start + self.local_rows])
@@ -93,6 +125,9 @@ class ShardedParam:
             registered._local_tensor = padded[: self.local_rows]
         # Keep the registered Parameter object (the optimizer may already hold it).
         self.padded_shard, self.sharded_param = padded, registered
+        if local.dtype != self.dtype:  # .to(dtype): mixed-precision dtypes that followed the old one follow the new
+            self.param_dtype = local.dtype if self.param_dtype == self.dtype else self.param_dtype
+            self.reduce_dtype = local.dtype if self.reduce_dtype == self.dtype else self.reduce_dtype
         self.dtype, self.spec = local.dtype, registered._spec
         self.unsharded_param = self.unsharded_flat = None
 
@@ -102,14 +137,28 @@ class ShardedParam:
         return self.sharded_param.requires_grad
 
     @property
-    def device(self) -> torch.device:
+    def shard_device(self) -> torch.device:
+        """Where the sharded parameter lives: the compute device, or the CPU when offloaded."""
         return self.padded_shard.device
+
+    def set_post_forward(self, world: int, index: int) -> None:
+        """Configure ``reshard_after_forward=world``: this rank keeps chunk ``index`` of ``world``."""
+        self.post_forward_rows = padded_rows(self.shape[0], world)
+        self.post_forward_numel = self.post_forward_rows * row_numel(tuple(self.shape))
+        self.post_forward_index = index
+
+    def keep_post_forward_shard(self) -> None:
+        """Copy this rank's chunk of the unsharded buffer aside (before the buffer is freed)."""
+        n, i = self.post_forward_numel, self.post_forward_index
+        self.post_forward_shard = self.unsharded_flat[i * n : (i + 1) * n].clone()  # (post_forward_numel,)
 
     def alloc_unsharded(self) -> None:
         """Create the unsharded parameter once (storage freed until the first unshard)."""
         if self.unsharded_param is not None:
             return
-        flat = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=self.device)
+        # world * padded_rows >= R * ceil(rows / R) for every R dividing world: the post-forward
+        # all-gather's output fits too.
+        flat = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
         view = flat[: self.shape.numel()].view(self.shape)  # (*shape)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
@@ -145,7 +194,14 @@ class ShardedParam:
         return grad
 
     def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Give the sharded parameter this rank's reduced gradient rows (summing into an existing one)."""
+        """Give the sharded parameter this rank's reduced gradient rows (summing into an existing
+        one), in the original dtype and on the shard's device (CPU when offloaded)."""
+        if local_grad.dtype != self.dtype or local_grad.device != self.shard_device:
+            if self.pin_memory:  # device-to-host into pinned memory: asynchronous, synced at the end of backward
+                host = torch.empty(local_grad.shape, dtype=self.dtype, pin_memory=True)
+                local_grad = host.copy_(local_grad, non_blocking=True)
+            else:
+                local_grad = local_grad.to(self.shard_device, self.dtype)
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = to_dtensor(local_grad, self.spec)

@@ -138,9 +138,22 @@ def test_not_a_module_and_containers_without_forward_raise(mesh8):
         fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh8)
 
 
-def test_mixed_precision_not_yet_supported_raises(mesh8):
-    with pytest.raises(NotImplementedError, match="mixed precision"):
-        fully_shard(Pair(), mesh=mesh8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+def test_bad_policies_raise_with_what_to_pass(mesh8):
+    with pytest.raises(ValueError, match="param_dtype should be a floating-point torch.dtype"):
+        fully_shard(Pair(), mesh=mesh8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+    with pytest.raises(TypeError, match="mp_policy should be a MixedPrecisionPolicy"):
+        fully_shard(Pair(), mesh=mesh8, mp_policy="bf16")
+    with pytest.raises(TypeError, match="offload_policy should be an OffloadPolicy or CPUOffloadPolicy"):
+        fully_shard(Pair(), mesh=mesh8, offload_policy=True)
+
+
+def test_torch_fsdp2_policy_objects_are_accepted(mesh8):
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload, MixedPrecisionPolicy as TorchMP
+
+    m = fully_shard(Pair(), mesh=mesh8, mp_policy=TorchMP(param_dtype=torch.bfloat16), offload_policy=TorchOffload(pin_memory=False))
+    m(torch.randn(2, 4)).sum().backward()
+    assert m.a.weight.dtype == torch.float32 and m.a.weight.grad.dtype == torch.float32
+    assert m._shardkit().group.params[0].param_dtype == torch.bfloat16
 
 
 def test_deepcopy_of_sharded_module_raises(mesh8):
