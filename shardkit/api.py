@@ -158,16 +158,14 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | N
     return True, _post_forward_mesh(mesh, value)
 
 
-_post_forward_meshes: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
-
-
 def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
     """Consecutive ranks of ``mesh`` in groups of ``size`` (e.g. the GPUs of a node), made once
-    per (mesh, size): creating it is collective, so every rank must get here in the same order."""
-    key = (mesh, size)
-    if key not in _post_forward_meshes:
-        _post_forward_meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, size))
-    return _post_forward_meshes[key]
+    per mesh object and size: creating it is collective, so every rank gets here in the same
+    order (as with every fully_shard call)."""
+    cache = mesh.__dict__.setdefault("_shardkit_post_forward_meshes", {})
+    if size not in cache:
+        cache[size] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, size))
+    return cache[size]
 
 
 def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
