@@ -1,5 +1,5 @@
 """Mixed precision, mixed dtypes, offload and reshard_after_forward=int on a fake process group:
-dtypes, devices, collective bytes and schedules (numerics are in tests/gloo/test_precision.py)."""
+dtypes, devices, collective bytes and schedules (numerics are in tests/gloo/test_mixed_precision_numerics.py)."""
 
 import pytest
 import torch
