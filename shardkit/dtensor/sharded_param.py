@@ -175,13 +175,14 @@ class ShardedParam:
             slot.module._parameters[slot.name] = self.sharded_param
 
     def accumulate_unreduced_grad(self) -> None:
-        """Move the unsharded ``.grad`` aside (summed) when gradient sync is off."""
+        """Move the unsharded ``.grad`` aside (summed, in ``reduce_dtype``: bf16 sums of many
+        microbatches would lose precision) when gradient sync is off."""
         grad = self.unsharded_param.grad
         if grad is None:
             return
         self.unsharded_param.grad = None
         if self.accumulated_grad is None:
-            self.accumulated_grad = grad
+            self.accumulated_grad = grad.to(self.reduce_dtype)
         else:
             self.accumulated_grad += grad
 
