@@ -33,6 +33,7 @@ from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardkit import lockstep
 from shardkit.param_group import ParamGroup, still_on_meta
 from shardkit.policies import MixedPrecisionPolicy
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
@@ -54,6 +55,8 @@ class RootContext:
         self.forward_seen: list[GroupState] = []  # ... and of this one so far (forward prefetch)
         self.post_forward_order: list[GroupState] = []  # for backward prefetch
         self.reducing: list[ParamGroup] = []  # groups whose reduce-scatter is in flight
+        self.lockstep = False  # agree on every collective first (shardkit/lockstep.py)
+        self.lockstep_group, self.lockstep_world = None, 1
 
 
 class GroupState:
@@ -70,6 +73,8 @@ class GroupState:
         self.device = device
         self.mp_policy = mp_policy
         self.unshard_in_backward = True  # set_unshard_in_backward(False): backward needs no parameters
+        self.lockstep_requested = False  # set_lockstep() on the root, before its first forward
+        self.index = -1  # position in ctx.states: the same on every rank
         self.machine = PhaseMachine()
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
@@ -124,6 +129,7 @@ class GroupState:
             state.is_root, state.ctx, state.machine.name = state is self, ctx, fqn
             if state.reshard_after_forward_arg is None:
                 state.reshard_after_forward = not state.is_root
+            state.index = len(ctx.states)
             ctx.states.append(state)
         _name_params(root_module, ctx.states)
         _check_materialized(root_module)
@@ -132,6 +138,16 @@ class GroupState:
                 state.group.name = state.name
                 state.group.lazy_init()
         self.ctx = ctx
+        self.set_lockstep(self.lockstep_requested)
+
+    def set_lockstep(self, enabled: bool) -> None:
+        self.lockstep_requested = enabled
+        if self.ctx is None:
+            return  # applied at lazy init
+        meshes = [s.group.mesh for s in self.ctx.states if s.group is not None]
+        self.ctx.lockstep = enabled and bool(meshes)
+        if self.ctx.lockstep:
+            self.ctx.lockstep_group, self.ctx.lockstep_world = meshes[0].get_group(), meshes[0].size()
 
     # Forward -------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -178,11 +194,14 @@ class GroupState:
                     state.group.reshard()
             ctx.forward_root = None
             ctx.forward_order, ctx.forward_seen = ctx.forward_seen, []
+            if ctx.lockstep:
+                lockstep.drain(ctx)  # serve the ranks still in their forward
         return output
 
     def _finish_forward(self, output: Any) -> None:
         if self.group is not None:
-            if self.reshard_after_forward and self.group.post_forward_mesh is not None and torch.is_grad_enabled():
+            keep_part = self.group.post_forward_mesh is not None and not self.ctx.lockstep
+            if self.reshard_after_forward and keep_part and torch.is_grad_enabled():
                 self.group.reshard_to_post_forward()  # keep 1/R for the backward all-gather among R ranks
             elif self.reshard_after_forward:
                 self.group.reshard()
@@ -221,8 +240,14 @@ class GroupState:
     # Unshard helpers -----------------------------------------------------------------------
     def _unshard_now(self) -> None:
         if self.group is not None:
-            self.group.unshard()
-            self.group.wait_for_unshard()
+            if self.ctx is not None and self.ctx.lockstep:
+                lockstep.gather(self)
+            else:
+                self._unshard_locally()
+
+    def _unshard_locally(self) -> None:
+        self.group.unshard()
+        self.group.wait_for_unshard()
 
     def _prefetch(self, backward: bool = False) -> None:
         """Issue this group's all-gather early; its own pre-forward/backward waits for it."""
@@ -234,6 +259,8 @@ class GroupState:
         (if this forward has followed the last one so far), or of the explicit list."""
         ctx = self.ctx
         ctx.forward_seen.append(self)
+        if ctx.lockstep:
+            return  # every all-gather is agreed on at the moment it is needed
         if self.forward_prefetch is not None:
             targets = self.forward_prefetch
         else:
@@ -245,6 +272,8 @@ class GroupState:
     def _prefetch_backward(self) -> None:
         """Issue the all-gather of the group whose forward finished before this one's (the
         next in backward), or of the explicit list."""
+        if self.ctx.lockstep:
+            return
         if self.backward_prefetch is not None:
             targets = self.backward_prefetch
         elif self._post_forward_indices:
@@ -271,8 +300,14 @@ class GroupState:
         self.machine.advance(PhaseEvent.POST_BACKWARD)
         if self.group is None:
             return
+        if self.ctx.lockstep:
+            lockstep.reduce(self)
+        else:
+            self._reduce_now()
+
+    def _reduce_now(self, reshard: bool = True) -> None:
         self.group.reduce_gradients()
-        if self.group.reshard_after_backward:
+        if reshard and self.group.reshard_after_backward:
             self.group.reshard()
         # Finish the reduce-scatters that completed while this group's backward ran, and
         # the oldest if more than MAX_REDUCING are in flight.
@@ -287,6 +322,8 @@ class GroupState:
         for state in reversed(ctx.states):  # backward order: blocks last-to-first, root last
             if state.machine.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
                 state._post_backward()
+        if ctx.lockstep:
+            lockstep.drain(ctx)  # serve the ranks still in their backward
         for group in ctx.reducing:  # the optimizer step comes next
             group.finish_reduce()
         ctx.reducing = []

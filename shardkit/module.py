@@ -67,6 +67,17 @@ class FSDPModule:
         whose backward needs no parameter values, e.g. an embedding). Not recursive."""
         self._shardkit().unshard_in_backward = unshard_in_backward
 
+    def set_lockstep(self, enabled: bool = True) -> None:
+        """For models that run some ``fully_shard`` modules on some ranks only (rank-dependent
+        branches, modality encoders): every collective is first agreed on among the ranks,
+        so that all of them issue the same collectives in the same order. Costs one small
+        blocking all-gather per collective and turns prefetching off. Call on the root.
+        See shardkit/lockstep.py."""
+        state = self._shardkit()
+        if state.is_root is False:
+            raise RuntimeError("set_lockstep must be called on the root FSDP module")
+        state.set_lockstep(enabled)
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for group in _groups(self, recurse):
             group.reshard_after_backward = reshard_after_backward

@@ -123,6 +123,13 @@ class ParamGroup:
             self.stale = False
         _live_unsharded.add(self)
 
+    def needs_all_gather(self) -> bool:
+        """Whether ``unshard()`` would issue an all-gather now."""
+        if self._pending:
+            return False
+        fresh = not self.stale and self._gathered_versions == self._shard_versions()
+        return not (self._holds_data and fresh)
+
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
         if not self._pending:

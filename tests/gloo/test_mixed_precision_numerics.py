@@ -179,6 +179,78 @@ def rank_divergent_branches_complete_and_match_reference(mesh, impl):
             o.zero_grad()
 
 
+@checks("shardkit")  # FSDP2 hangs here: rank 0 all-gathers a while rank 1 all-gathers b
+def branches_sharded_as_separate_groups_match_reference_in_lockstep(mesh, impl):
+    torch.manual_seed(0)
+    model = Branches()
+    ref = copy.deepcopy(model)
+    shardkit.fully_shard(model.a, mesh=mesh)
+    shardkit.fully_shard(model.b, mesh=mesh)
+    shardkit.fully_shard(model, mesh=mesh)
+    model.set_lockstep(True)
+    opt = torch.optim.AdamW(model.parameters(), **OPTIM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **OPTIM)
+    mine = "ab"[mesh.get_local_rank()]
+    for i, batch in enumerate(stack_batches(STEPS)):
+        x, y = local(batch, mesh)
+        loss = F.mse_loss(model(x, mine), y)
+        loss.backward()
+        halves = [t.chunk(2) for t in batch]
+        ref_loss = sum(F.mse_loss(ref(halves[0][r], "ab"[r]), halves[1][r]) for r in range(2)) / 2
+        ref_loss.backward()
+        close(mean_over_ranks(loss, mesh), ref_loss.detach(), f"loss at step {i}", dict(atol=1e-5, rtol=1e-5))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            close(full(p.grad), q.grad, f"grad {name} at step {i}", dict(atol=1e-5, rtol=1e-5))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    # and a step where both ranks take the same branch still works
+    loss = F.mse_loss(model(x, "a"), y)
+    loss.backward()
+    assert model.b.weight.grad is None and model.a.weight.grad is not None
+
+
+class Extra(nn.Module):
+    """Rank 0 runs an extra block (say, an image encoder for the images only it has)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 13)
+        self.extra = nn.Sequential(nn.Linear(13, 13), nn.Tanh())
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x, use_extra: bool):
+        h = torch.tanh(self.inp(x))
+        return self.out(self.extra(h) if use_extra else h)
+
+
+@checks("shardkit")
+def a_group_run_on_one_rank_only_matches_reference_in_lockstep(mesh, impl):
+    torch.manual_seed(0)
+    model = Extra()
+    ref = copy.deepcopy(model)
+    shardkit.fully_shard(model.extra, mesh=mesh)
+    shardkit.fully_shard(model, mesh=mesh)
+    model.set_lockstep(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank = mesh.get_local_rank()
+    for i, batch in enumerate(stack_batches(STEPS)):
+        x, y = local(batch, mesh)
+        loss = F.mse_loss(model(x, rank == 0), y)
+        loss.backward()
+        halves = [t.chunk(2) for t in batch]
+        ref_loss = sum(F.mse_loss(ref(halves[0][r], r == 0), halves[1][r]) for r in range(2)) / 2
+        ref_loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            close(full(p.grad), q.grad, f"grad {name} at step {i}", dict(atol=1e-5, rtol=1e-5))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(full(p.detach()), q.detach(), f"param {name}", dict(atol=1e-5, rtol=1e-5))
+
+
 class Embedded(nn.Module):
     def __init__(self) -> None:
         super().__init__()
