@@ -98,9 +98,8 @@ class ParamGroup:
         """Issue the all-gather (``wait_for_unshard`` finishes it); a no-op if one is issued
         or the gathered data is still fresh. After ``reshard_to_post_forward`` it gathers
         from the post-forward shards, among their R ranks only."""
-        fresh = not self.stale and self._gathered_versions == self._shard_versions()
         if self._pending or self._holds_data:
-            if fresh:
+            if self._fresh():
                 if not self._pending:
                     self._register_unsharded()  # data kept by reshard(free=False)
                 return
@@ -113,7 +112,7 @@ class ParamGroup:
             )
         if self._ag_buckets is None:
             self.lazy_init()
-        if self._holds_post_forward and fresh:
+        if self._holds_post_forward and self._fresh():
             self._pending = [collectives.all_gather(b, self._post_comm, self.name) for b in self._post_buckets]
             self._pending_post_forward = True
         else:
@@ -127,8 +126,7 @@ class ParamGroup:
         """Whether ``unshard()`` would issue an all-gather now."""
         if self._pending:
             return False
-        fresh = not self.stale and self._gathered_versions == self._shard_versions()
-        return not (self._holds_data and fresh)
+        return not (self._holds_data and self._fresh())
 
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
@@ -187,6 +185,10 @@ class ParamGroup:
                 p.to_unsharded()
             self.is_unsharded = True
             trace.record("unshard", self.name)
+
+    def _fresh(self) -> bool:
+        """No optimizer step and no in-place edit of the shards since we last gathered."""
+        return not self.stale and self._gathered_versions == self._shard_versions()
 
     def _shard_versions(self) -> list[int]:
         """In-place edits of the sharded parameters outside an optimizer step bump these."""

@@ -152,7 +152,10 @@ def _copy_in(bucket: Bucket, inputs: list[torch.Tensor], device: torch.device) -
     """The inputs end to end in the bucket's dtype on the compute device: a view of the one
     input, a ``torch.cat``, or, when a cast (mixed precision) or a host-to-device copy
     (offload) is due, one ``copy_`` per input into a fresh buffer."""
-    same = all(x.dtype == bucket.dtype and x.device == device for x in inputs)
+    same = bucket._views.get("same") if not bucket.post_forward else None
+    if same is None:
+        same = all(x.dtype == bucket.dtype and x.device == device for x in inputs)
+        bucket._views["same"] = same
     if same:
         return inputs[0] if len(inputs) == 1 else torch.cat(inputs)
     send = torch.empty(bucket.per_rank, dtype=bucket.dtype, device=device)
@@ -208,7 +211,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
             present = present.clone()
             present[missing] = 0
         filled = [
-            torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g.to(bucket.dtype)
+            torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g if g.dtype == bucket.dtype else g.to(bucket.dtype)
             for p, g in zip(params, grads)
         ]
         send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
