@@ -40,8 +40,10 @@ def fully_shard(
     A drop-in for ``torch.distributed.fsdp.fully_shard``: call it on each block, then on the
     root. Every parameter of ``module`` not already managed by an inner call (and not in
     ``ignored_params``) becomes an ``nn.Parameter`` holding a ``Shard(0)`` DTensor over the
-    1-D ``mesh`` (default: all ranks); they form ONE group, all-gathered in one collective
-    before forward and backward and reduce-scattered in one collective after backward.
+    1-D ``mesh`` (default: all ranks), or ``(Replicate(), Shard(0))`` over a 2-D mesh (HSDP:
+    replicated over dim 0, sharded over dim 1); ``shard_placement_fn`` may pick ``Shard(d)``
+    per parameter. They form ONE group, all-gathered in one collective before forward and
+    backward and reduce-scattered in one collective after backward.
     ``reshard_after_forward`` frees the gathered parameters after forward (default: True
     except for the root); an int R keeps 1/R of them so that backward gathers among R
     ranks only. ``mp_policy`` sets the dtypes of the all-gather/compute and of the gradient
@@ -62,6 +64,7 @@ def fully_shard(
     modules = _check_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     _check_mesh(mesh)
+    reshard_after_forward_arg = reshard_after_forward
     reshard_after_forward, post_forward_mesh = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload, pin_memory = check_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params, modules)
@@ -77,6 +80,11 @@ def fully_shard(
         pin_memory=pin_memory,
     )
     params = [_shard_param(p, s, mesh, device, shard_placement_fn, options) for p, s in slots.items()]
+    if post_forward_mesh is not None and any(p.dim != 0 for p in params):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward_arg} (an int) with parameters sharded on a dim "
+            "other than 0 is not supported; pass True, or shard those parameters on dim 0."
+        )
     for original in slots:  # other modules may still hold the original (tied) parameter
         original._shardkit_sharded_by = class_name(modules[0])
     group = ParamGroup(params, mesh, post_forward_mesh) if params else None
@@ -129,13 +137,11 @@ def _check_mesh(mesh: Any) -> None:
             f"fully_shard expects mesh to be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
             "build one with init_device_mesh('cpu' or 'cuda', (world_size,))."
         )
-    if mesh.ndim == 2:
-        raise NotImplementedError(
-            f"shardkit does not support 2-D meshes (HSDP) yet, got {mesh}; pass a 1-D mesh "
-            "such as mesh['shard'] or init_device_mesh(device, (world_size,))."
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: replicate, shard), got a "
+            f"{mesh.ndim}-D mesh {mesh}. With tensor parallel, pass the data-parallel part: mesh['dp']."
         )
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard expects a 1-D DeviceMesh (data-parallel dim), got a {mesh.ndim}-D mesh {mesh}.")
 
 
 def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | None, DeviceMesh | None]:
@@ -147,7 +153,7 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | N
         raise ValueError(
             f"reshard_after_forward should be None, a bool, or an int dividing the mesh size, not {value!r}"
         )
-    world = mesh.size()
+    world = mesh.size(mesh.ndim - 1)  # the ranks parameters are sharded over
     if value < 1 or world % value != 0:
         raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {world}, not {value}")
     if value == world:
@@ -252,11 +258,14 @@ def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, devi
             f"parameter {where} is already a DTensor (tensor parallel?); shardkit does not compose "
             "with tensor parallel yet."
         )
-    if placement_fn is not None:
-        placement = placement_fn(p)
-        if placement is not None and placement != Shard(0):
-            raise NotImplementedError(f"shard_placement_fn returned {placement} for {where}; shardkit supports Shard(0) only for now.")
-    return ShardedParam(p, slots, mesh, device, **options)
+    dim = 0
+    if placement_fn is not None and (placement := placement_fn(p)) is not None:
+        if not isinstance(placement, Shard):
+            raise ValueError(f"shard_placement_fn returned {placement!r} for {where}; return a Shard(dim) or None.")
+        dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < p.dim():
+            raise ValueError(f"shard_placement_fn returned {placement} for {where}, which has only {p.dim()} dims.")
+    return ShardedParam(p, slots, mesh, device, dim=dim, **options)
 
 
 def _fsdp_class(cls: type) -> type:

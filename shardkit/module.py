@@ -51,7 +51,11 @@ class FSDPModule:
             group.reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: skip the all-reduce across replicas. A no-op for 1-D meshes."""
+        """HSDP only: ``False`` reduce-scatters within the replica but skips the all-reduce
+        across replicas, keeping the sums until a backward with it on (gradient accumulation
+        that talks across nodes once). A no-op for 1-D meshes."""
+        for group in _groups(self, recurse):
+            group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):

@@ -54,8 +54,9 @@ def still_on_meta(names: list[str]) -> RuntimeError:
 class ParamGroup:
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, post_forward_mesh: DeviceMesh | None = None) -> None:
         self.params = params
-        self.mesh = mesh
-        self.world = mesh.size()
+        self.mesh = mesh  # 1-D (FSDP) or 2-D (HSDP: replicate, shard)
+        self.world = mesh.size(mesh.ndim - 1)  # ranks the parameters are sharded over
+        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
         # reshard_after_forward=R: a (world / R, R) mesh whose dim 1 is this rank's R ranks.
         self.post_forward_mesh = post_forward_mesh
         if post_forward_mesh is not None:
@@ -77,7 +78,9 @@ class ParamGroup:
         # Knobs set through FSDPModule.set_* (FSDP2 names).
         self.reshard_after_backward = True
         self.reduce_grads = True
+        self.all_reduce_grads = True  # HSDP: False keeps the reduce-scatter sums for later
         self.gradient_divide_factor: float | None = None
+        self._partial: dict = {}  # HSDP sums not yet all-reduced, by bucket
 
     # Unshard / reshard -------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -87,7 +90,8 @@ class ParamGroup:
         for p in self.params:
             p.alloc_unsharded()
         streams = streams_for(self.params[0].device)
-        self._comm = Comm.of(self.mesh.get_group(), streams)
+        self._comm = Comm.of(self.mesh.get_group(self.mesh.ndim - 1), streams)
+        self._replicate_comm = Comm.of(self.mesh.get_group(0), streams) if self.mesh.ndim == 2 else None
         self._ag_buckets = collectives.buckets(self.params, "param_dtype", self.world)
         self._rs_buckets = collectives.buckets(self.params, "reduce_dtype", self.world)
         if self.post_forward_mesh is not None:
@@ -215,7 +219,15 @@ class ParamGroup:
                 continue  # frozen parameters get no reduction
             grads = [p.take_unsharded_grad() for p in trainable]
             sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
-            self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, self.gradient_divide_factor))
+            divide_by = self.gradient_divide_factor or self.world * self.replicas
+            replicate, keep, partial = None, None, None
+            if self._replicate_comm is not None:
+                partial = self._partial.pop(tuple(map(id, sub.params)), None)
+                if self.all_reduce_grads:
+                    replicate = self._replicate_comm
+                else:
+                    keep = self._partial
+            self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, divide_by, replicate, partial, keep))
 
     def reduce_done(self) -> bool:
         """Whether the issued reduce-scatters have completed (without waiting)."""

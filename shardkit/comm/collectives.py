@@ -53,6 +53,13 @@ class Bucket:
     _all_present: torch.Tensor | None = None
     _views: dict = field(default_factory=dict)  # views made once (they survive storage resizes)
 
+    @property
+    def by_rows(self) -> bool:
+        """Every parameter is split along dim 0: the collectives' layout is the unsharded one."""
+        if "by_rows" not in self._views:
+            self._views["by_rows"] = all(p.dim == 0 for p in self.params)
+        return self._views["by_rows"]
+
     def all_present(self, device: torch.device) -> torch.Tensor:
         """The grad-presence column when every parameter has a gradient, cached."""
         if self._all_present is None or self._all_present.device != device:
@@ -129,7 +136,7 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
     trace.record("all_gather", name, dtype=bucket.dtype, numel=world * bucket.per_rank, world=world)
     with comm.streams.side("all_gather"):
         send = _copy_in(bucket, bucket.inputs(), device)  # (per_rank,)
-        if len(bucket.params) == 1:  # one parameter: gather straight into its unsharded buffer
+        if len(bucket.params) == 1 and bucket.by_rows:  # gather straight into the unsharded buffer
             output = bucket.columns()[0].view(-1)
         else:
             output = send.new_empty(world * bucket.per_rank)  # (world * per_rank,)
@@ -166,6 +173,10 @@ def _copy_in(bucket: Bucket, inputs: list[torch.Tensor], device: torch.device) -
 
 def _copy_out(bucket: Bucket, output: torch.Tensor, world: int) -> None:
     """Each parameter's column block of the (world, per_rank) output into its own buffer."""
+    if not bucket.by_rows:  # some parameter is split along another dim: rearrange per parameter
+        for p, block in zip(bucket.params, output.view(world, -1).split(bucket.shard_numels, dim=1)):
+            p.copy_out(block)
+        return
     if len(bucket.params) == 1:
         return  # gathered in place
     torch.split_with_sizes_copy(
@@ -188,19 +199,34 @@ class PendingReduceScatter:
     divide_by: float  # after the reduction
     missing: list[int]  # indices of the parameters this rank has no gradient for
     chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
+    name: str = ""
+    replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after
+    partial: torch.Tensor | None = None  # HSDP: earlier sums kept without all-reduce, added first
+    keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
     reduced: torch.Tensor | None = None  # (per_rank,): divided (on the side stream, CUDA)
 
 
-def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, divide_factor: float | None) -> PendingReduceScatter:
+def reduce_scatter(
+    bucket: Bucket,
+    grads: list[torch.Tensor | None],
+    comm: Comm,
+    name: str,
+    divide_by: float,
+    replicate: Comm | None = None,
+    partial: torch.Tensor | None = None,
+    keep_partial: dict | None = None,
+) -> PendingReduceScatter:
     """Issue one reduction of the bucket's unsharded grads (None where this rank has none),
-    in the bucket's dtype (``reduce_dtype``).
+    in the bucket's dtype (``reduce_dtype``), and divide the sum by ``divide_by`` (the number
+    of ranks, like DDP, or the user's factor).
 
-    The result is averaged over the ranks (like DDP), or divided by ``divide_factor``. In a
-    dtype with little range (fp16) part of the division comes before the sum, so that the sum
-    of ``world`` gradients cannot overflow (FSDP2's pre/post factors).
+    In a dtype with little range (fp16) part of the division comes before the sum, so that the
+    sum of ``world`` gradients cannot overflow (FSDP2's pre/post factors). With ``replicate``
+    (HSDP), the reduced chunk is then all-reduced over the replicas; with ``keep_partial`` it
+    is not, and is kept (undivided) for the next reduction to add.
     """
     params, world, cuda = bucket.params, comm.world, comm.streams.is_cuda
-    pre, post = _divide_factors(world if divide_factor is None else divide_factor, bucket.dtype)
+    pre, post = _divide_factors(divide_by, bucket.dtype)
     via = "via all_reduce" if comm.reduce_by_all_reduce else ""
     trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=world * (bucket.per_rank + len(params)), world=world)
     with comm.streams.side("reduce_scatter"):
@@ -214,7 +240,14 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
             torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g if g.dtype == bucket.dtype else g.to(bucket.dtype)
             for p, g in zip(params, grads)
         ]
-        send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
+        if bucket.by_rows:
+            send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
+        else:
+            send = torch.empty(world, bucket.per_rank + len(params), dtype=bucket.dtype, device=device)
+            blocks = send.split([*bucket.shard_numels, len(params)], dim=1)
+            for p, g, block in zip(params, filled, blocks):
+                p.chunk_grad_into(g, block)
+            blocks[-1].copy_(present.expand(world, -1))
         if pre != 1:
             send.div_(pre)  # the presence column too: it only has to stay above zero
         if comm.reduce_by_all_reduce:
@@ -223,29 +256,52 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         else:
             chunk = send.new_empty(bucket.per_rank + len(params))
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=not cuda)
-        pending = PendingReduceScatter(bucket, grads if cuda else [], send, chunk, work, None, post, missing, comm.reduce_by_all_reduce)
+        pending = PendingReduceScatter(
+            bucket, grads if cuda else [], send, chunk, work, None, post, missing, comm.reduce_by_all_reduce,
+            name, replicate, partial, keep_partial,
+        )
         if cuda:
-            pending.reduced = _divided(pending)
             pending.work, pending.send = None, None  # done on the side stream
             pending.event = comm.streams.done("reduce_scatter")
+    if cuda:  # the rest is enqueued now too, ordered after the reduce-scatter by an event
+        _after_reduce_scatter(pending, comm)
     return pending
+
+
+def _after_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
+    """Add the kept partial sums, all-reduce over the replicas (HSDP), divide. On CUDA this is
+    enqueued on the all-reduce stream behind the reduce-scatter; on CPU it runs at finish."""
+    with comm.streams.side("all_reduce", after=pending.event):
+        if pending.partial is not None:
+            pending.chunk.add_(pending.partial)
+        if pending.keep_partial is None:
+            if pending.replicate is not None:
+                replicate = pending.replicate
+                trace.record("all_reduce", pending.name, dtype=pending.chunk.dtype, numel=pending.chunk.numel(), world=replicate.world)
+                dist.all_reduce(pending.chunk, op=dist.ReduceOp.SUM, group=replicate.group)
+            pending.reduced = _divided(pending)
+    if pending.event is not None:
+        pending.event = comm.streams.done("all_reduce")
 
 
 def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
     """Wait for the reduction and give each parameter its rows as (part of) ``.grad``."""
     if pending.work is not None:
         pending.work.wait()
+        _after_reduce_scatter(pending, comm)
     comm.streams.wait(pending.event)
-    reduced = pending.reduced if pending.reduced is not None else _divided(pending)
     bucket = pending.bucket
+    if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
+        pending.keep_partial[tuple(map(id, bucket.params))] = pending.chunk
+        return
+    reduced = pending.reduced
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.
     counts = pending.chunk[bucket.per_rank :].tolist() if pending.missing else None
     offset = 0
     for i, (p, numel) in enumerate(zip(bucket.params, bucket.shard_numels)):
         if counts is None or i not in pending.missing or counts[i] > 0:
-            rows = reduced[offset : offset + numel].view(p.padded_rows, *p.shape[1:])  # (padded_rows, *rest)
-            p.set_sharded_grad(rows[: p.local_rows])
+            p.set_sharded_grad(p.local_grad(reduced[offset : offset + numel]))
         offset += numel
 
 

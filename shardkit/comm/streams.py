@@ -55,13 +55,16 @@ class Streams:
         self._side = {k: torch.cuda.Stream(device, priority=-1) for k in KINDS} if self.is_cuda else {}
 
     @contextlib.contextmanager
-    def side(self, kind: str) -> Iterator[None]:
-        """Run the block on the ``kind`` side stream, ordered after the compute issued so far."""
+    def side(self, kind: str, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """Run the block on the ``kind`` side stream, ordered after the compute issued so far
+        (and after the event ``after``, e.g. the reduce-scatter an all-reduce continues)."""
         if not self.is_cuda:
             yield
             return
         stream = self._side[kind]
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             yield
 

@@ -1,6 +1,10 @@
 """One parameter in its three forms: original -> sharded DTensor (+padding) <-> unsharded.
 
-- The **padded shard** (``padded_shard``, ``(padded_rows, *rest)``) is this rank's rows of the
+Parameters are split along ``dim`` (0 unless ``shard_placement_fn`` says otherwise); "rows"
+below are slices along ``dim``. On a 2-D mesh (HSDP) they are split over the last mesh dim
+and replicated over the first.
+
+- The **padded shard** (``padded_shard``, ``padded_shape``) is this rank's rows of the
   original parameter followed by zero rows up to ``padded_rows``; it is the all-gather input
   and the storage the optimizer updates in place. It keeps the original dtype, and lives on
   the CPU under ``CPUOffloadPolicy``.
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.dtensor.placements import local_rows, padded_rows, row_numel
@@ -58,6 +62,7 @@ class ShardedParam:
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
         pin_memory: bool = False,
+        dim: int = 0,
     ):
         if param.dim() == 0:
             raise ValueError(
@@ -66,9 +71,10 @@ class ShardedParam:
             )
         self.slots = slots
         self.fqn = slots[0].name  # replaced by the full name at lazy init
-        self.mesh = mesh
-        self.world, self.rank = mesh.size(), mesh.get_local_rank()
+        self.mesh = mesh  # 1-D, or 2-D (replicate, shard)
+        self.world, self.rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         self.shape, self.dtype = param.shape, param.dtype
+        self.dim = dim
         self.device = device  # where the unsharded parameter lives and the collectives run
         # Mixed precision applies to floating-point parameters only (as in FSDP2).
         floating = self.dtype.is_floating_point
@@ -79,12 +85,13 @@ class ShardedParam:
         self.post_forward_rows = self.post_forward_numel = self.post_forward_index = 0  # set by set_post_forward
         self.post_forward_shard: torch.Tensor | None = None
         self._init_requires_grad = param.requires_grad
-        self.padded_rows = padded_rows(self.shape[0], self.world)
-        self.local_rows = local_rows(self.shape[0], self.world, self.rank)
-        self.shard_numel = self.padded_rows * row_numel(tuple(self.shape))
-        self.spec = DTensorSpec(
-            mesh, (Shard(0),), TensorMeta(self.shape, _contiguous_stride(self.shape), self.dtype)
-        )
+        rows = self.shape[dim]
+        self.padded_rows = padded_rows(rows, self.world)
+        self.local_rows = local_rows(rows, self.world, self.rank)
+        self.padded_shape = _with(self.shape, dim, self.padded_rows)
+        self.shard_numel = self.padded_shape.numel()
+        placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(dim),)
+        self.spec = DTensorSpec(mesh, placements, TensorMeta(self.shape, _contiguous_stride(self.shape), self.dtype))
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
         self.unsharded_flat: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
@@ -92,21 +99,21 @@ class ShardedParam:
 
     def _shard(self, full: torch.Tensor, device: torch.device) -> None:
         """Build the padded shard and the sharded DTensor parameter from a full tensor."""
-        start = self.rank * self.padded_rows
+        start = min(self.rank * self.padded_rows, self.shape[self.dim])  # empty tail ranks start at the end
         if self.offload:
             device = torch.device("cpu")
         device = full.device if full.device.type == "meta" else device  # meta stays meta until to_empty
         pin = self.pin_memory and device.type == "cpu"
-        padded = torch.empty((self.padded_rows, *self.shape[1:]), dtype=self.dtype, device=device, pin_memory=pin)
+        padded = torch.empty(self.padded_shape, dtype=self.dtype, device=device, pin_memory=pin)
         if device.type != "meta":
             with torch.no_grad():
-                padded[: self.local_rows].copy_(full[start : start + self.local_rows])
-                padded[self.local_rows :].zero_()
+                padded.zero_()
+                self._valid(padded).copy_(full.narrow(self.dim, start, self.local_rows))
         self._set_padded_shard(padded)
 
     def _set_padded_shard(self, padded: torch.Tensor) -> None:
-        self.padded_shard = padded  # (padded_rows, *rest)
-        local = padded[: self.local_rows]  # (local_rows, *rest): what DTensor sees
+        self.padded_shard = padded  # padded_shape
+        local = self._valid(padded)  # what DTensor sees: local_rows along dim
         self.sharded_param = nn.Parameter(to_dtensor(local, self.spec), requires_grad=self._init_requires_grad)
         self.sharded_param._shardkit_owned = True  # marks "already managed" for fully_shard
 
@@ -115,14 +122,14 @@ class ShardedParam:
         registered = self.slots[0].module._parameters[self.slots[0].name]
         local = registered._local_tensor
         if local.device.type == "meta":
-            padded = local.new_empty((self.padded_rows, *self.shape[1:]))
+            padded = local.new_empty(self.padded_shape)
         elif _backs(self.padded_shard, local):
             padded = self.padded_shard  # nothing moved
         else:
-            padded = local.new_zeros((self.padded_rows, *self.shape[1:]))  # (padded_rows, *rest)
+            padded = local.new_zeros(self.padded_shape)
             with torch.no_grad():
-                padded[: self.local_rows].copy_(local)
-            registered._local_tensor = padded[: self.local_rows]
+                self._valid(padded).copy_(local)
+            registered._local_tensor = self._valid(padded)
         # Keep the registered Parameter object (the optimizer may already hold it).
         self.padded_shard, self.sharded_param = padded, registered
         if local.dtype != self.dtype:  # .to(dtype): mixed-precision dtypes that followed the old one follow the new
@@ -136,13 +143,43 @@ class ShardedParam:
         """Follows the sharded parameter: users freeze (``requires_grad_(False)``) what they see."""
         return self.sharded_param.requires_grad
 
+    def _valid(self, padded: torch.Tensor) -> torch.Tensor:
+        """The real rows of a padded shard (a view)."""
+        return padded.narrow(self.dim, 0, self.local_rows)
+
+    def local_grad(self, reduced: torch.Tensor) -> torch.Tensor:
+        """This rank's real gradient rows from its flat reduced chunk (shard_numel,)."""
+        return self._valid(reduced.view(self.padded_shape))
+
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        """The gathered padded shards, rank-major ``(world, shard_numel)``, into the unsharded
+        buffer: for dim 0 the same bytes; otherwise rank r's rows go to the r-th block of dim."""
+        if self.dim == 0:
+            self.unsharded_flat[: gathered.numel()].view(self.world, -1).copy_(gathered)
+            return
+        d = self.dim
+        target = self.unsharded_padded.view(*self.shape[:d], self.world, self.padded_rows, *self.shape[d + 1 :])
+        target.copy_(gathered.view(self.world, *self.padded_shape).movedim(0, d))
+
+    def chunk_grad_into(self, grad: torch.Tensor, target: torch.Tensor) -> None:
+        """Lay a full-size gradient out as ``world`` padded shards in ``target (world, shard_numel)``
+        (what ``torch._chunk_cat`` does for dim 0)."""
+        d = self.dim
+        if grad.shape[d] != self.world * self.padded_rows:
+            padded = grad.new_zeros(self.unsharded_padded.shape)
+            padded.narrow(d, 0, self.shape[d]).copy_(grad)
+            grad = padded
+        chunks = grad.view(*self.shape[:d], self.world, self.padded_rows, *self.shape[d + 1 :])
+        target.view(self.world, *self.padded_shape).copy_(chunks.movedim(d, 0))
+
     @property
     def shard_device(self) -> torch.device:
         """Where the sharded parameter lives: the compute device, or the CPU when offloaded."""
         return self.padded_shard.device
 
     def set_post_forward(self, world: int, index: int) -> None:
-        """Configure ``reshard_after_forward=world``: this rank keeps chunk ``index`` of ``world``."""
+        """Configure ``reshard_after_forward=world``: this rank keeps chunk ``index`` of ``world``
+        (dim-0 parameters only: their unsharded buffer is laid out by rows)."""
         self.post_forward_rows = padded_rows(self.shape[0], world)
         self.post_forward_numel = self.post_forward_rows * row_numel(tuple(self.shape))
         self.post_forward_index = index
@@ -159,9 +196,11 @@ class ShardedParam:
         # world * padded_rows >= R * ceil(rows / R) for every R dividing world: the post-forward
         # all-gather's output fits too.
         flat = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
-        view = flat[: self.shape.numel()].view(self.shape)  # (*shape)
+        padded = flat.view(_with(self.shape, self.dim, self.world * self.padded_rows))
+        view = padded.narrow(self.dim, 0, self.shape[self.dim])  # (*shape): contiguous for dim 0
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
+        self.unsharded_padded = self.unsharded_flat.view(padded.shape)
         free_storage(self.unsharded_flat)
 
     def to_unsharded(self) -> None:
@@ -230,6 +269,11 @@ def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
     if padded.device != local.device or padded.dtype != local.dtype:
         return False
     return local.numel() == 0 or padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+
+
+def _with(shape: torch.Size, dim: int, size: int) -> torch.Size:
+    """``shape`` with dimension ``dim`` set to ``size``."""
+    return torch.Size((*shape[:dim], size, *shape[dim + 1 :]))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -44,8 +44,6 @@ def test_mesh_of_wrong_ndim_raises():
         mesh_2d = mesh.mesh.view(2, 4)
         from torch.distributed.device_mesh import DeviceMesh
 
-        with pytest.raises(NotImplementedError, match="2-D meshes"):
-            fully_shard(Pair(), mesh=DeviceMesh("cpu", mesh_2d, mesh_dim_names=("replicate", "shard")))
         with pytest.raises(ValueError, match="1-D DeviceMesh"):
             fully_shard(Pair(), mesh=DeviceMesh("cpu", mesh.mesh.view(2, 2, 2)))
 
