@@ -93,6 +93,90 @@ def uneven_shards_on_dims_1_and_2_match_reference(mesh, impl):
     assert p.model.up.to_local().shape == (3, 6, 3 - mesh.get_local_rank())  # 5 = 3 + 2
 
 
+# Activation checkpointing ------------------------------------------------------------------
+def shard_with_ac(impl, mesh, how):
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def shard(model):
+        for i, block in enumerate(model.blocks):
+            if how == "composable":
+                composable_checkpoint(block)
+            else:
+                model.blocks[i] = block = checkpoint_wrapper(block)
+            FULLY_SHARD[impl](block, mesh=mesh)
+        FULLY_SHARD[impl](model, mesh=mesh)
+    return shard
+
+
+@checks()
+def activation_checkpointing_recomputes_without_extra_collectives(mesh, impl):
+    for how in ("composable", "wrapper"):
+        p = Parity.build(Stack, shard_with_ac(impl, mesh, how), mesh, impl)
+        passes = p.train(stack_batches(STEPS))
+        p.assert_params_match()
+        # as without checkpointing: forward gathers root + 2 blocks, backward the 2 blocks
+        # again (the recomputation reuses that gather), one reduce-scatter per group
+        counts = [(s.forward.all_gather, s.backward.all_gather, s.backward.reduce_scatter) for s in passes]
+        assert counts == [(3, 2, 3)] * STEPS, (how, counts)
+
+
+# Other entry points --------------------------------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    extras: dict
+
+
+class KeywordBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(13, 13)
+        # a rotary-style buffer: never sharded, moved to the device, used in forward
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 13).float() / 13)), persistent=False)
+
+    def forward(self, *, x, scale=1.0):
+        h = torch.tanh(self.lin(x)) * scale
+        return {"h": h + torch.sin(self.inv_freq), "aux": (h.square().mean(),)}
+
+
+class KeywordModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 13)
+        self.blocks = nn.ModuleList([KeywordBlock(), KeywordBlock()])
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, *, x):
+        h, aux = self.inp(x), 0.0
+        for block in self.blocks:
+            out = block(x=h, scale=0.5)
+            h, aux = out["h"], aux + out["aux"][0]
+        return Output(self.out(h), {"aux": aux})
+
+
+def keyword_loss(model, batch):
+    x, y = batch
+    out = model(x=x)
+    return torch.nn.functional.mse_loss(out.logits, y) + 0.1 * out.extras["aux"]
+
+
+@checks()
+def keyword_only_forwards_and_dataclass_outputs_match_reference(mesh, impl):
+    from gloo_parity import shard_blocks_then_root
+
+    p = Parity.build(KeywordModel, shard_blocks_then_root(impl, mesh), mesh, impl, loss_of=keyword_loss)
+    passes = p.train(stack_batches(STEPS))
+    p.assert_params_match()
+    buffer = p.model.blocks[0].inv_freq
+    assert type(buffer) is torch.Tensor and buffer.device.type == "cpu" and buffer.shape == (13,)
+    counts = [(s.forward.all_gather, s.backward.all_gather, s.backward.reduce_scatter) for s in passes]
+    assert counts == [(3, 2, 3)] * STEPS, counts  # the aux losses inside dicts and tuples reached backward
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_composition_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
