@@ -71,7 +71,7 @@ def fully_shard(
     device = _mesh_device(mesh)
 
     managed, nested = _managed_modules(modules)
-    slots = _param_slots(managed, ignored)
+    slots, borrowed = _param_slots(managed, ignored)
     _move_buffers(managed, device)
     options = dict(
         param_dtype=mp_policy.param_dtype,
@@ -85,12 +85,14 @@ def fully_shard(
             f"reshard_after_forward={reshard_after_forward_arg} (an int) with parameters sharded on a dim "
             "other than 0 is not supported; pass True, or shard those parameters on dim 0."
         )
-    for original in slots:  # other modules may still hold the original (tied) parameter
-        original._shardkit_sharded_by = class_name(modules[0])
     group = ParamGroup(params, mesh, post_forward_mesh) if params else None
     state = GroupState(modules, group, reshard_after_forward, device, mp_policy)
+    for original, p in zip(slots, params):  # later calls may meet the original again (tied weights)
+        original._shardkit_shared = (p, state)
     for p in params:
         p.to_sharded()
+    for (p, owner), more_slots in borrowed.items():
+        _borrow(state, owner, p, more_slots)
     for inner in nested:
         inner.parent = state
     for m in modules:
@@ -220,20 +222,19 @@ def _managed_modules(modules: tuple[nn.Module, ...]) -> tuple[list[nn.Module], l
     return managed, nested
 
 
-def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[ParamSlot]]:
-    """Each managed parameter with every place it is registered (tied weights have several)."""
+def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> tuple[dict, dict]:
+    """Each managed parameter with every place it is registered (tied weights have several),
+    and apart, the slots of parameters an earlier call already sharded (weights tied across
+    groups), by (sharded parameter, owning state)."""
     slots: dict[nn.Parameter, list[ParamSlot]] = {}
+    borrowed: dict[tuple, list[ParamSlot]] = {}
     for m in managed:
         for name, p in m._parameters.items():
             if p is None or p in ignored:
                 continue
-            if (owner := getattr(p, "_shardkit_sharded_by", None)) is not None:
-                raise ValueError(
-                    f"parameter '{name}' of {class_name(m)} is shared with a parameter that the earlier "
-                    f"fully_shard call on {owner} already sharded (tied weights?). Put the modules that "
-                    "share it in one group: fully_shard([module_a, module_b]), or leave both to their "
-                    "common parent's fully_shard call."
-                )
+            if (shared := getattr(p, "_shardkit_shared", None)) is not None:
+                borrowed.setdefault(shared, []).append(ParamSlot(m, name))
+                continue
             if getattr(p, "_shardkit_owned", False):
                 raise ValueError(
                     f"parameter '{name}' of {class_name(m)} is already sharded by an earlier fully_shard "
@@ -241,7 +242,20 @@ def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> dict[n
                     "then on their parents."
                 )
             slots.setdefault(p, []).append(ParamSlot(m, name))
-    return slots
+    return slots, borrowed
+
+
+def _borrow(state: GroupState, owner: GroupState, p: ShardedParam, more_slots: list[ParamSlot]) -> None:
+    """A weight tied across groups stays in its owner's group; ``state`` registers the same
+    parameter in its own slots and unshards the owner's group around its own forward and
+    backward. The owner reduces after both have passed backward (see hooks.py, "Tied")."""
+    p.slots.extend(more_slots)
+    current = p.unsharded_param if owner.group is not None and owner.group.is_unsharded else p.sharded_param
+    for slot in more_slots:
+        slot.module._parameters[slot.name] = current
+    if owner not in state.borrowed:
+        state.borrowed.append(owner)
+        owner.borrowers.append(state)
 
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:

@@ -74,6 +74,11 @@ class GroupState:
         self.mp_policy = mp_policy
         self.unshard_in_backward = True  # set_unshard_in_backward(False): backward needs no parameters
         self.lockstep_requested = False  # set_lockstep() on the root, before its first forward
+        # Weights tied across groups ("Tied" below): the groups whose parameters this one uses
+        # too, the groups that use this one's, and a reduction waiting for those to finish.
+        self.borrowed: list[GroupState] = []
+        self.borrowers: list[GroupState] = []
+        self.deferred_reduce = False
         self.index = -1  # position in ctx.states: the same on every rank
         self.machine = PhaseMachine()
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
@@ -169,6 +174,8 @@ class GroupState:
         self.machine.advance(PhaseEvent.PRE_FORWARD)
         self._modules_to_run, self._open_calls = set(self.modules), 1
         self._unshard_now()
+        for owner in self.borrowed:
+            owner._unshard_now()
         self._prefetch_forward()
         if self.group is not None and torch.is_grad_enabled():
             args, kwargs = _PostBackward.attach(self, args, kwargs)
@@ -199,7 +206,8 @@ class GroupState:
         return output
 
     def _finish_forward(self, output: Any) -> None:
-        if self.group is not None:
+        pinned = any(b.machine.phase is Phase.FORWARD for b in self.borrowers)  # still needed there
+        if self.group is not None and not pinned:
             keep_part = self.group.post_forward_mesh is not None and not self.ctx.lockstep
             if self.reshard_after_forward and keep_part and torch.is_grad_enabled():
                 self.group.reshard_to_post_forward()  # keep 1/R for the backward all-gather among R ranks
@@ -209,6 +217,9 @@ class GroupState:
                 # No backward follows, so the step is over: the module shows its sharded
                 # parameters again, and keeps the gathered data for the next forward.
                 self.group.reshard(free=False)
+        for owner in self.borrowed:  # done with the tied weights, unless their own group runs
+            if owner.machine.phase is not Phase.FORWARD and owner.reshard_after_forward:
+                owner.group.reshard()
         if torch.is_grad_enabled():  # a backward may follow: remember the order, hook the outputs
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
@@ -294,19 +305,34 @@ class GroupState:
             Variable._execution_engine.queue_callback(self.ctx.states[0]._finish_backward)
         if self.unshard_in_backward:
             self._unshard_now()
+        for owner in self.borrowed:
+            owner._unshard_now()
         self._prefetch_backward()
 
     def _post_backward(self) -> None:
         self.machine.advance(PhaseEvent.POST_BACKWARD)
-        if self.group is None:
-            return
-        if self.ctx.lockstep:
-            lockstep.reduce(self)
-        else:
-            self._reduce_now()
+        if self.group is not None:
+            if any(b.machine.phase is not Phase.POST_BACKWARD for b in self.borrowers):
+                self.deferred_reduce = True  # a group using our tied weights still adds gradients
+            elif self.ctx.lockstep:
+                lockstep.reduce(self)
+            else:
+                self._reduce_now()
+        for owner in self.borrowed:
+            if owner.deferred_reduce and all(b.machine.phase is Phase.POST_BACKWARD for b in owner.borrowers):
+                owner.deferred_reduce = False
+                owner._reduce_now(reshard=owner.machine.phase is not Phase.PRE_BACKWARD)
+
+    # Tied: a weight shared by two groups (an embedding tied to an output head sharded by
+    # another call) belongs to the group that sharded it first, the owner; the other group
+    # registers the same parameter and unshards the owner's group around its own forward
+    # and backward. Autograd sums both uses into the one unsharded .grad; the owner reduces
+    # it once, after every group using it has passed its post-backward.
 
     def _reduce_now(self, reshard: bool = True) -> None:
         self.group.reduce_gradients()
+        if any(b.machine.phase is Phase.PRE_BACKWARD for b in self.borrowers):
+            reshard = False  # that group's backward may still read the tied weights
         if reshard and self.group.reshard_after_backward:
             self.group.reshard()
         # Finish the reduce-scatters that completed while this group's backward ran, and
@@ -322,6 +348,10 @@ class GroupState:
         for state in reversed(ctx.states):  # backward order: blocks last-to-first, root last
             if state.machine.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
                 state._post_backward()
+        for state in ctx.states:
+            if state.deferred_reduce:  # its borrowers never ran backward
+                state.deferred_reduce = False
+                state._reduce_now()
         if ctx.lockstep:
             lockstep.drain(ctx)  # serve the ranks still in their backward
         for group in ctx.reducing:  # the optimizer step comes next

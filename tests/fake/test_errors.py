@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+import shardkit
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -162,12 +164,18 @@ def test_deepcopy_of_sharded_module_raises(mesh8):
         copy.deepcopy(m)
 
 
-def test_weight_tied_across_two_groups_raises_with_fix(mesh8):
+def test_weight_tied_across_two_groups_stays_one_parameter(mesh8):
     m = Pair()
     m.b.weight = m.a.weight  # tied
     fully_shard(m.b, mesh=mesh8)
-    with pytest.raises(ValueError, match=r"'weight' of Linear is shared .* fully_shard call on Linear.*fully_shard\(\[module_a, module_b\]\)"):
-        fully_shard(m, mesh=mesh8)
+    fully_shard(m, mesh=mesh8)  # the root uses b's weight through a: it borrows b's group
+    assert m.a.weight is m.b.weight and isinstance(m.a.weight, DTensor)
+    assert len(list(m.parameters())) == 3  # one weight, two biases
+    with shardkit.trace() as t:
+        m(torch.randn(2, 4)).sum().backward()
+    assert m.a.weight is m.b.weight and m.a.weight.grad is not None
+    # one reduce-scatter for the tied weight's group, after both groups' backward
+    assert [e.group for e in t.collectives("reduce_scatter")] == ["", "b"]
 
 
 def test_weight_tied_inside_one_group_is_one_sharded_param(mesh8):

@@ -177,6 +177,29 @@ def keyword_only_forwards_and_dataclass_outputs_match_reference(mesh, impl):
     assert counts == [(3, 2, 3)] * STEPS, counts  # the aux losses inside dicts and tuples reached backward
 
 
+# Weights tied across groups ------------------------------------------------------------------
+@checks("shardkit")  # torch FSDP2 2.13 raises when the tie crosses fully_shard calls
+def embedding_tied_to_head_across_groups_matches_reference_and_stays_tied(mesh, impl):
+    import shardkit
+    from gloo_parity import gpt_batches, gpt_loss, small_gpt
+
+    def shard(model):
+        shardkit.fully_shard(model.tok_emb, mesh=mesh)  # owns the tied weight
+        for block in model.blocks:
+            shardkit.fully_shard(block, mesh=mesh)
+        shardkit.fully_shard(model, mesh=mesh)  # the head uses it: borrows tok_emb's group
+
+    p = Parity.build(small_gpt, shard, mesh, impl, loss_of=gpt_loss)
+    passes = p.train(gpt_batches(STEPS))
+    p.assert_params_match()
+    assert p.model.head.weight is p.model.tok_emb.weight
+    assert sum(q is p.model.tok_emb.weight for q in p.opt.param_groups[0]["params"]) == 1
+    # forward: root (+ tok_emb's group, borrowed), 2 blocks; backward: tok_emb again, 2 blocks;
+    # reduce-scatters: 2 blocks, root, tok_emb (once, for both uses)
+    counts = [(s.forward.all_gather, s.backward.all_gather, s.backward.reduce_scatter) for s in passes]
+    assert counts == [(4, 3, 4)] * STEPS, counts
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_composition_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
