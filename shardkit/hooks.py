@@ -155,6 +155,9 @@ class GroupState:
             self.ctx.lockstep_group, self.ctx.lockstep_world = meshes[0].get_group(), meshes[0].size()
 
     # Forward -------------------------------------------------------------------------------
+    # torch.compile'd modules run their hooks inside the compiled region; ours allocate and
+    # free storage and issue collectives, so dynamo leaves them out (a graph break per hook).
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.is_root is None:
             self._lazy_init()
@@ -181,6 +184,7 @@ class GroupState:
             args, kwargs = _PostBackward.attach(self, args, kwargs)
         return args, kwargs
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         output = self._cast_output(output)
         if self.machine.phase is Phase.PRE_BACKWARD:  # recomputation: keep parameters for backward
@@ -296,6 +300,7 @@ class GroupState:
             target._prefetch(backward=True)
 
     # Backward ------------------------------------------------------------------------------
+    @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.machine.phase is Phase.PRE_BACKWARD:
             return  # another output of the same call

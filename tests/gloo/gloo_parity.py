@@ -230,8 +230,9 @@ class Parity:
 
 def _assert_match(model: nn.Module, ref: nn.Module, what: str, get: Callable, scale: float = 1.0) -> None:
     expected = {name: get(p) for name, p in ref.named_parameters()}
-    # checkpoint_wrapper adds a module level; compare by the model's own names
-    actual = {name.replace("_checkpoint_wrapped_module.", ""): get(p) for name, p in model.named_parameters()}
+    # checkpoint_wrapper and torch.compile add a module level; compare by the model's own names
+    strip = lambda name: name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731
+    actual = {strip(name): get(p) for name, p in model.named_parameters()}
     assert list(actual) == list(expected), f"parameter names differ: {list(actual)} != {list(expected)}"
     actual = {name: None if t is None else full(t) for name, t in actual.items()}  # collectives first
     for name, t in actual.items():

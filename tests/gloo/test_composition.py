@@ -200,6 +200,37 @@ def embedding_tied_to_head_across_groups_matches_reference_and_stays_tied(mesh, 
     assert counts == [(4, 3, 4)] * STEPS, counts
 
 
+# torch.compile per block ----------------------------------------------------------------------
+def shard_compiled(impl, mesh, when, backend):
+    def shard(model):
+        for i, block in enumerate(model.blocks):
+            if when == "before":  # compile, then shard the compiled module (torchtitan's order)
+                model.blocks[i] = block = torch.compile(block, backend=backend)
+            FULLY_SHARD[impl](block, mesh=mesh)
+            if when == "after":
+                model.blocks[i] = torch.compile(block, backend=backend)
+        FULLY_SHARD[impl](model, mesh=mesh)
+    return shard
+
+
+@checks()
+def blocks_compiled_before_or_after_fully_shard_train_to_reference(mesh, impl):
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    for when, backend in (("before", "inductor"), ("before", counting), ("after", counting)):
+        graphs.clear()
+        torch._dynamo.reset()
+        p = Parity.build(Stack, shard_compiled(impl, mesh, when, backend), mesh, impl)
+        p.train(stack_batches(STEPS))
+        p.assert_params_match()
+        if backend is counting and when == "before":
+            assert graphs, "compiling before fully_shard should capture the blocks' forward"
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_composition_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
