@@ -267,11 +267,6 @@ def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
 
 def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn, options: dict) -> ShardedParam:
     where = f"'{slots[0].name}' of {class_name(slots[0].module)}"
-    if isinstance(p, DTensor):
-        raise NotImplementedError(
-            f"parameter {where} is already a DTensor (tensor parallel?); shardkit does not compose "
-            "with tensor parallel yet."
-        )
     dim = 0
     if placement_fn is not None and (placement := placement_fn(p)) is not None:
         if not isinstance(placement, Shard):

@@ -4,6 +4,12 @@ Parameters are split along ``dim`` (0 unless ``shard_placement_fn`` says otherwi
 below are slices along ``dim``. On a 2-D mesh (HSDP) they are split over the last mesh dim
 and replicated over the first.
 
+With tensor parallel, the parameter arrives as a DTensor on the "tp" mesh; everything below
+applies to its local (TP) tensor, which is what the data-parallel all-gather restores. The
+unsharded parameter is then a DTensor again, with the TP placements, and the sharded one a
+DTensor on the (dp, tp) mesh: ``(Shard(d), tp...)``, or ``(_StridedShard(d, split_factor=tp),
+Shard(d))`` when TP splits the same dim, so that ``full_tensor()`` is the original weight.
+
 - The **padded shard** (``padded_shard``, ``padded_shape``) is this rank's rows of the
   original parameter followed by zero rows up to ``padded_rows``; it is the all-gather input
   and the storage the optimizer updates in place. It keeps the original dtype, and lives on
@@ -38,6 +44,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.dtensor.placements import local_rows, padded_rows, row_numel
@@ -73,7 +80,9 @@ class ShardedParam:
         self.fqn = slots[0].name  # replaced by the full name at lazy init
         self.mesh = mesh  # 1-D, or 2-D (replicate, shard)
         self.world, self.rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-        self.shape, self.dtype = param.shape, param.dtype
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        local = param._local_tensor if self.tp_spec is not None else param  # what FSDP shards
+        self.shape, self.dtype = local.shape, local.dtype
         self.dim = dim
         self.device = device  # where the unsharded parameter lives and the collectives run
         # Mixed precision applies to floating-point parameters only (as in FSDP2).
@@ -90,12 +99,15 @@ class ShardedParam:
         self.local_rows = local_rows(rows, self.world, self.rank)
         self.padded_shape = _with(self.shape, dim, self.padded_rows)
         self.shard_numel = self.padded_shape.numel()
-        placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(dim),)
-        self.spec = DTensorSpec(mesh, placements, TensorMeta(self.shape, _contiguous_stride(self.shape), self.dtype))
+        if self.tp_spec is None:
+            placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(dim),)
+            self.spec = DTensorSpec(mesh, placements, TensorMeta(self.shape, _contiguous_stride(self.shape), self.dtype))
+        else:
+            self.spec = _dp_tp_spec(mesh, self.tp_spec, dim, slots[0])
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
         self.unsharded_flat: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
-        self._shard(param.detach(), device)
+        self._shard(local.detach(), device)
 
     def _shard(self, full: torch.Tensor, device: torch.device) -> None:
         """Build the padded shard and the sharded DTensor parameter from a full tensor."""
@@ -198,6 +210,10 @@ class ShardedParam:
         flat = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
         padded = flat.view(_with(self.shape, self.dim, self.world * self.padded_rows))
         view = padded.narrow(self.dim, 0, self.shape[self.dim])  # (*shape): contiguous for dim 0
+        if self.tp_spec is not None:  # tensor parallel: hand TP its local DTensor
+            spec = self.tp_spec
+            meta = TensorMeta(spec.shape, spec.stride, self.param_dtype)
+            view = DTensor(view, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
         self.unsharded_padded = self.unsharded_flat.view(padded.shape)
@@ -216,7 +232,7 @@ class ShardedParam:
     def accumulate_unreduced_grad(self) -> None:
         """Move the unsharded ``.grad`` aside (summed, in ``reduce_dtype``: bf16 sums of many
         microbatches would lose precision) when gradient sync is off."""
-        grad = self.unsharded_param.grad
+        grad = self._local(self.unsharded_param.grad)
         if grad is None:
             return
         self.unsharded_param.grad = None
@@ -227,10 +243,18 @@ class ShardedParam:
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """This step's unsharded gradient plus any unreduced ones, detached from the parameter."""
-        grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        grad, self.unsharded_param.grad = self._local(self.unsharded_param.grad), None
         if self.accumulated_grad is not None:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
             self.accumulated_grad = None
+        return grad
+
+    def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A TP parameter's gradient as the local tensor of the TP placements."""
+        if isinstance(grad, DTensor):
+            if grad.placements != self.tp_spec.placements:  # e.g. Partial: reduce over tp first
+                grad = grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
+            grad = grad._local_tensor
         return grad
 
     def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
@@ -269,6 +293,26 @@ def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
     if padded.device != local.device or padded.dtype != local.dtype:
         return False
     return local.numel() == 0 or padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+
+
+_dp_tp_meshes: dict = {}
+
+
+def _dp_tp_spec(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int, slot: ParamSlot) -> DTensorSpec:
+    """The sharded parameter's spec on the (dp, tp) mesh: dp splits the TP-local tensor."""
+    if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter '{slot.name}' of {type(slot.module).__name__}: shardkit composes a 1-D "
+            f"data-parallel mesh with a 1-D tensor-parallel mesh, got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D."
+        )
+    key = (id(dp_mesh), id(tp_spec.mesh))
+    if key not in _dp_tp_meshes:
+        _dp_tp_meshes[key] = (DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), dp_mesh, tp_spec.mesh)
+    mesh = _dp_tp_meshes[key][0]
+    split = tp_spec.num_shards_map[dim]
+    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    meta = TensorMeta(tp_spec.shape, _contiguous_stride(tp_spec.shape), tp_spec.tensor_meta.dtype)
+    return DTensorSpec(mesh, (dp, *tp_spec.placements), meta)
 
 
 def _with(shape: torch.Size, dim: int, size: int) -> torch.Size:

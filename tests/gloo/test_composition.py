@@ -231,6 +231,55 @@ def blocks_compiled_before_or_after_fully_shard_train_to_reference(mesh, impl):
             assert graphs, "compiling before fully_shard should capture the blocks' forward"
 
 
+# FSDP + tensor parallel ------------------------------------------------------------------------
+def train_llama_2d(mesh_1d, impl, dp: int, tp: int):
+    import copy
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gloo_parity import assert_close, full, mean_over_ranks
+    from shardkit.models.llama import Llama, LlamaConfig, tp_plan
+
+    mesh = DeviceMesh("cpu", torch.arange(dp * tp).view(dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    ref = copy.deepcopy(model)
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], tp_plan())
+        FULLY_SHARD[impl](block, mesh=mesh["dp"])
+    FULLY_SHARD[impl](model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
+    g = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        tokens = torch.randint(0, 64, (4, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        mine = [t.chunk(dp)[mesh.get_local_rank(0)] for t in (x, y)]  # tp ranks share a batch
+        loss = F.cross_entropy(model(mine[0]).flatten(0, 1), mine[1].flatten())
+        loss.backward()
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        ref_loss.backward()
+        assert_close(mean_over_ranks(loss, mesh_1d), ref_loss.detach(), f"loss at step {step}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(full(p.grad), q.grad, f"grad {name} at step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(full(p.detach()), q.detach(), f"param {name}")
+
+
+@checks()
+def fsdp_with_tensor_parallel_1x2_matches_reference(mesh, impl):
+    train_llama_2d(mesh, impl, dp=1, tp=2)
+
+
+@checks()
+def fsdp_with_tensor_parallel_2x1_matches_reference(mesh, impl):
+    train_llama_2d(mesh, impl, dp=2, tp=1)
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_composition_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)

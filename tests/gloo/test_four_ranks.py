@@ -1,5 +1,9 @@
-"""reshard_after_forward=2 on 4 gloo ranks: after forward each rank keeps half of every
-parameter, backward gathers among pairs of ranks, and training matches the reference."""
+"""Checks that need 4 gloo ranks.
+
+- reshard_after_forward=2: after forward each rank keeps half of every parameter, backward
+  gathers among pairs of ranks, and training matches the reference.
+- FSDP + tensor parallel on a 2x2 (dp, tp) mesh matches the reference.
+"""
 
 import pytest
 import torch
@@ -42,8 +46,15 @@ def backward_all_gathers_run_among_two_ranks(mesh, impl):
     assert worlds == [("", 4), ("blocks.0", 4), ("blocks.1", 4), ("blocks.1", 2), ("blocks.0", 2)], worlds
 
 
+@checks()
+def fsdp_with_tensor_parallel_2x2_matches_reference(mesh, impl):
+    from test_composition import train_llama_2d
+
+    train_llama_2d(mesh, impl, dp=2, tp=2)
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
-def test_reshard_after_forward_int_on_four_ranks(gloo_outcomes, case):
+def test_on_four_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
 
 
