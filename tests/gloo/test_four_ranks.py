@@ -2,7 +2,8 @@
 
 - reshard_after_forward=2: after forward each rank keeps half of every parameter, backward
   gathers among pairs of ranks, and training matches the reference.
-- FSDP + tensor parallel on a 2x2 (dp, tp) mesh matches the reference.
+- FSDP + tensor parallel on a 2x2 (dp, tp) mesh, and HSDP on a 2x2 (replicate, shard) mesh,
+  match the reference.
 """
 
 import pytest
@@ -51,6 +52,15 @@ def fsdp_with_tensor_parallel_2x2_matches_reference(mesh, impl):
     from test_composition import train_llama_2d
 
     train_llama_2d(mesh, impl, dp=2, tp=2)
+
+
+@checks()
+def hsdp_2x2_matches_reference(mesh, impl):
+    from test_composition import hsdp, mesh_2d
+
+    p = Parity.build(Stack, hsdp(impl, mesh_2d(2, 2)), mesh, impl)
+    p.train(stack_batches(3))
+    p.assert_params_match()
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
