@@ -5,7 +5,9 @@ Switch with one import line::
     from shardkit import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
+from shardkit import checkpoint
 from shardkit.api import fully_shard
+from shardkit.comm.check import CollectiveMismatch, check_collectives
 from shardkit.comm.trace import Trace, trace
 from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -20,4 +22,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "trace",
     "Trace",
+    "check_collectives",
+    "CollectiveMismatch",
+    "checkpoint",
 ]

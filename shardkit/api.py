@@ -93,6 +93,8 @@ def fully_shard(
         p.to_sharded()
     for (p, owner), more_slots in borrowed.items():
         _borrow(state, owner, p, more_slots)
+    own = [(slot, p) for p in params for slot in p.slots]
+    _accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
     for inner in nested:
         inner.parent = state
     for m in modules:
@@ -256,6 +258,27 @@ def _borrow(state: GroupState, owner: GroupState, p: ShardedParam, more_slots: l
     if owner not in state.borrowed:
         state.borrowed.append(owner)
         owner.borrowers.append(state)
+
+
+def _accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:
+    """``load_state_dict`` with plain (full) tensors for sharded parameters: each rank keeps its
+    shard (FSDP2 makes the user distribute them first). A hook on each module that registers
+    one of them, run before that module loads its own entries."""
+    by_module: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    for slot, p in slots:
+        by_module.setdefault(slot.module, []).append((slot.name, p))
+
+    def hook_for(entries):
+        def hook(state_dict, prefix, *args):
+            for name, p in entries:
+                value = state_dict.get(prefix + name)
+                full_shape = p.tp_spec.shape if p.tp_spec is not None else p.shape
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == full_shape:
+                    state_dict[prefix + name] = p.from_full(value)
+        return hook
+
+    for module, entries in by_module.items():
+        module._register_load_state_dict_pre_hook(hook_for(entries))
 
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:

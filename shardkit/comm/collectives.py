@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardkit.comm import trace
+from shardkit.comm import check, trace
 from shardkit.comm.streams import Streams
 from shardkit.dtensor.sharded_param import ShardedParam, alloc_storage
 
@@ -134,6 +134,7 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
         alloc_storage(p.unsharded_flat)  # on the compute stream (see the Note in streams.py)
     world, cuda = comm.world, comm.streams.is_cuda
     trace.record("all_gather", name, dtype=bucket.dtype, numel=world * bucket.per_rank, world=world)
+    check.before(comm.group, "all_gather", name, bucket.dtype, world * bucket.per_rank, world)
     with comm.streams.side("all_gather"):
         send = _copy_in(bucket, bucket.inputs(), device)  # (per_rank,)
         if len(bucket.params) == 1 and bucket.by_rows:  # gather straight into the unsharded buffer
@@ -150,7 +151,7 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
 def finish_all_gather(pending: PendingAllGather, comm: Comm) -> None:
     """Wait for the all-gather; afterwards the unsharded buffers hold the gathered data."""
     if pending.work is not None:
-        pending.work.wait()
+        _wait(pending.work)
         _copy_out(pending.bucket, pending.output, comm.world)
     comm.streams.wait(pending.event)
 
@@ -229,6 +230,7 @@ def reduce_scatter(
     pre, post = _divide_factors(divide_by, bucket.dtype)
     via = "via all_reduce" if comm.reduce_by_all_reduce else ""
     trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=world * (bucket.per_rank + len(params)), world=world)
+    check.before(comm.group, "reduce_scatter", name, bucket.dtype, world * (bucket.per_rank + len(params)), world)
     with comm.streams.side("reduce_scatter"):
         device = params[0].device
         missing = [i for i, g in enumerate(grads) if g is None]
@@ -278,6 +280,7 @@ def _after_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
             if pending.replicate is not None:
                 replicate = pending.replicate
                 trace.record("all_reduce", pending.name, dtype=pending.chunk.dtype, numel=pending.chunk.numel(), world=replicate.world)
+                check.before(replicate.group, "all_reduce", pending.name, pending.chunk.dtype, pending.chunk.numel(), replicate.world)
                 dist.all_reduce(pending.chunk, op=dist.ReduceOp.SUM, group=replicate.group)
             pending.reduced = _divided(pending)
     if pending.event is not None:
@@ -287,7 +290,7 @@ def _after_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
 def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
     """Wait for the reduction and give each parameter its rows as (part of) ``.grad``."""
     if pending.work is not None:
-        pending.work.wait()
+        _wait(pending.work)
         _after_reduce_scatter(pending, comm)
     comm.streams.wait(pending.event)
     bucket = pending.bucket
@@ -303,6 +306,13 @@ def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
         if counts is None or i not in pending.missing or counts[i] > 0:
             p.set_sharded_grad(p.local_grad(reduced[offset : offset + numel]))
         offset += numel
+
+
+def _wait(work: dist.Work) -> None:
+    try:
+        work.wait()
+    except Exception as exc:  # a timeout or a dead peer: say what this rank had issued
+        raise check.failed(exc) from exc
 
 
 def is_done(pending: PendingReduceScatter) -> bool:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -248,6 +248,15 @@ class ShardedParam:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
             self.accumulated_grad = None
         return grad
+
+    def from_full(self, full: torch.Tensor) -> DTensor:
+        """This rank's shard of a full (unsharded, global) tensor, as a DTensor like the sharded
+        parameter: for ``load_state_dict`` of plain tensors. No communication."""
+        if self.tp_spec is not None:  # the TP-local part first, as tensor parallel would have it
+            full = distribute_tensor(full, self.tp_spec.mesh, self.tp_spec.placements, src_data_rank=None)._local_tensor
+        start = min(self.rank * self.padded_rows, self.shape[self.dim])
+        local = full.narrow(self.dim, start, self.local_rows).to(self.shard_device, self.dtype)
+        return to_dtensor(local, self.spec)
 
     def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """A TP parameter's gradient as the local tensor of the TP placements."""

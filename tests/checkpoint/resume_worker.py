@@ -1,0 +1,93 @@
+"""One training run for the resume tests, in fresh processes: ``python resume_worker.py MODE
+WORLD CKPT OUT``, spawning WORLD gloo ranks.
+
+MODE: ``straight`` (10 steps), ``save`` (5 steps, then save to CKPT), ``resume`` (load CKPT
+into a differently initialized model, then steps 5..9), ``crash`` (5 steps, then a save
+that dies before it is published), ``refuse`` (load CKPT, expecting an error). Rank 0 writes
+``{"losses": [...], "params": {name: full tensor as list}}`` or the error to OUT.
+The global batch of a step is the same at every world size; each rank takes its chunk.
+"""
+
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import shardkit
+from shardkit import checkpoint
+from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard
+
+STEPS, HALF = 10, 5
+# Dropout makes the bit-identical resume depend on the restored RNG states; resuming on a
+# different number of ranks (other RNG streams) runs without it (DROPOUT=0).
+DROPOUT = float(os.environ.get("DROPOUT", "0.1"))
+
+
+def batch(step: int, world: int, rank: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 65, (4, 17), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _flat(state: dict) -> dict:
+    return {k: v.flatten().tolist() for k, v in state.items()}
+
+
+def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1 if mode == "resume" else 0)  # resume: different weights until loaded
+    model = apply_fully_shard(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, dropout=DROPOUT)), shardkit.fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    result: dict = {"losses": []}
+    steps = range(STEPS) if mode == "straight" else range(HALF) if mode in ("save", "crash") else range(HALF, STEPS)
+    torch.manual_seed(1234 + rank)  # dropout masks; resume restores the saved RNG state instead
+    try:
+        if mode in ("resume", "refuse"):
+            meta = checkpoint.load(ckpt, model, opt)
+            result["step"] = meta["step"]
+            result["loaded"] = _flat(checkpoint.full_state_dict(model))
+            if mode == "refuse":
+                raise AssertionError("loading an incomplete checkpoint should fail")
+        for step in steps:
+            x, y = batch(step, world, rank)
+            logits, _ = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            result["losses"].append((mean / world).item())
+        if mode == "save":
+            checkpoint.save(ckpt, model, opt, step=HALF, extra={"note": "half way"})
+            result["saved"] = _flat(checkpoint.full_state_dict(model))
+        if mode == "crash":
+            def die(*args):
+                os._exit(3)  # killed after writing every shard, before publishing
+            checkpoint._publish = die
+            checkpoint.save(ckpt, model, opt, step=HALF)
+        result["params"] = _flat(checkpoint.full_state_dict(model))
+    except checkpoint.IncompleteCheckpointError as exc:
+        result["error"] = str(exc)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    del model, opt
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, world, ckpt, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.set_num_threads(1)
+    # fork: the ranks start without importing torch again (CPU only, nothing initialized yet)
+    mp.start_processes(run, args=(world, port, mode, ckpt, out), nprocs=world, start_method="fork")

@@ -1,0 +1,65 @@
+"""Exact resume, resharding on load, and crash-safe saving, each run in fresh processes
+(resume_worker.py), with shardkit.checkpoint (DCP underneath)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("resume_worker.py")
+
+
+def run(tmp: Path, mode: str, world: int, ckpt: Path, dropout: float = 0.1) -> dict:
+    out = tmp / f"{mode}-{world}-{ckpt.name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DROPOUT": str(dropout)}
+    done = subprocess.run([sys.executable, str(WORKER), mode, str(world), str(ckpt), str(out)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    if mode != "crash":
+        assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()) if out.exists() else {"returncode": done.returncode}
+
+
+@pytest.fixture(scope="module")
+def with_dropout(tmp_path_factory):
+    """10 steps straight; 5 steps and a save; a resume for the last 5 (dropout on: the RNG
+    states must be restored too)."""
+    tmp = tmp_path_factory.mktemp("dropout")
+    return tmp, run(tmp, "straight", 2, tmp / "ck"), run(tmp, "save", 2, tmp / "ck"), run(tmp, "resume", 2, tmp / "ck")
+
+
+@pytest.fixture(scope="module")
+def without_dropout(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plain")
+    return tmp, run(tmp, "straight", 2, tmp / "ck", dropout=0), run(tmp, "save", 2, tmp / "ck", dropout=0)
+
+
+def test_resume_on_the_same_ranks_is_bit_identical(with_dropout):
+    _, straight, first, second = with_dropout
+    assert second["step"] == 5
+    assert second["loaded"] == first["saved"]  # exactly the saved parameters
+    assert first["losses"] + second["losses"] == straight["losses"]  # bit for bit, dropout included
+    assert second["params"] == straight["params"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_save_at_2_load_at_other_world_sizes_continues(without_dropout, world):
+    tmp, straight, first = without_dropout
+    second = run(tmp, "resume", world, tmp / "ck", dropout=0)
+    assert second["loaded"] == first["saved"]  # identical full parameters after resharding
+    for mine, theirs in zip(second["losses"], straight["losses"][5:]):
+        assert abs(mine - theirs) <= 1e-6, (second["losses"], straight["losses"][5:])
+
+
+def test_a_save_killed_before_publishing_leaves_the_last_checkpoint_loadable(with_dropout):
+    tmp_path, _, first, _ = with_dropout
+    ck = tmp_path / "ck"
+    crashed = run(tmp_path, "crash", 2, ck)
+    assert crashed.get("returncode", 0) != 0  # the ranks died inside save
+    assert (tmp_path / "ck.incomplete").is_dir() and (ck / "COMPLETE").is_file()
+    resumed = run(tmp_path, "resume", 2, ck)
+    assert resumed["loaded"] == first["saved"]
+    refused = run(tmp_path, "refuse", 2, tmp_path / "ck.incomplete")
+    assert "not a complete shardkit checkpoint" in refused["error"] and "interrupted" in refused["error"]
