@@ -198,3 +198,14 @@ def test_gradient_divide_factor_must_be_positive(mesh8, factor):
     m = fully_shard(Pair(), mesh=mesh8)
     with pytest.raises(ValueError, match="positive factor"):
         m.set_gradient_divide_factor(factor)
+
+
+def test_a_failed_wait_names_this_ranks_last_collectives(mesh8):
+    from shardkit.comm import check
+
+    m = fully_shard(Pair(), mesh=mesh8)
+    m(torch.randn(2, 4)).sum().backward()
+    message = str(check.failed(RuntimeError("Timed out waiting 1800000ms")))
+    assert "Timed out waiting 1800000ms" in message
+    assert "all_gather of group '<root>', float32" in message and "reduce_scatter of group '<root>'" in message
+    assert "SHARDKIT_CHECK=1" in message
