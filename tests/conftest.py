@@ -2,6 +2,7 @@ import contextlib
 
 import pytest
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -20,3 +21,19 @@ def fake_world(world: int, rank: int = 0):
 def mesh8() -> DeviceMesh:
     with fake_world(8, rank=0) as mesh:
         yield mesh
+
+
+class TanhStack(nn.Module):
+    """inp, then ``n_blocks`` of Linear + Tanh in ``blocks`` (one group each when sharded), then out."""
+
+    def __init__(self, n_blocks: int, dim: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n_blocks))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)

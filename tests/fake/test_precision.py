@@ -9,26 +9,16 @@ from torch.distributed.tensor import DTensor
 
 import shardkit
 from shardkit import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from tests.conftest import fake_world
+from tests.conftest import TanhStack, fake_world
 
 BF16 = torch.bfloat16
 
 
-class Net(nn.Module):
-    def __init__(self, n_blocks: int = 2, dim: int = 16) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n_blocks))
-        self.out = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+def Net(n_blocks: int = 2) -> TanhStack:
+    return TanhStack(n_blocks, dim=16)
 
 
-def sharded(mesh, n_blocks: int = 2, **kwargs) -> Net:
+def sharded(mesh, n_blocks: int = 2, **kwargs) -> TanhStack:
     torch.manual_seed(0)
     net = Net(n_blocks)
     for block in net.blocks:

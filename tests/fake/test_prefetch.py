@@ -6,24 +6,14 @@ from expecttest import assert_expected_inline
 
 import shardkit
 from shardkit import fully_shard
-from tests.conftest import fake_world
+from tests.conftest import TanhStack, fake_world
 
 
-class Net(nn.Module):
-    def __init__(self, n_blocks: int = 4, dim: int = 8) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n_blocks))
-        self.out = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+def Net(n_blocks: int = 4) -> TanhStack:
+    return TanhStack(n_blocks, dim=8)
 
 
-def sharded(mesh, n_blocks: int = 4) -> Net:
+def sharded(mesh, n_blocks: int = 4) -> TanhStack:
     torch.manual_seed(0)
     net = Net(n_blocks)
     for block in net.blocks:
@@ -49,7 +39,7 @@ def schedule(t: shardkit.Trace) -> str:
     return "\n".join(lines)
 
 
-def step(net: Net) -> shardkit.Trace:
+def step(net: TanhStack) -> shardkit.Trace:
     with shardkit.trace() as t:
         net(torch.randn(2, 8)).sum().backward()
     return t
@@ -106,7 +96,7 @@ def test_four_block_schedule_prefetches_the_next_group_in_both_directions():
     reduce_scatter <root>""")
 
 
-def gathered_blocks(net: Net) -> list[int]:
+def gathered_blocks(net: TanhStack) -> list[int]:
     """Blocks whose all-gather is issued or whose unsharded data is held."""
     return [i for i, b in enumerate(net.blocks) if b._shardkit().group._pending or b._shardkit().group._holds_data]
 

@@ -153,6 +153,29 @@ class Branches(nn.Module):
         return self.out(torch.tanh(getattr(self, branch)(h)))
 
 
+def train_rank_dependent(model, ref, mesh, arg_of_rank, optimizer=torch.optim.AdamW, **optim):
+    """Each rank calls ``model(x, arg_of_rank(rank))`` on its half of the batch; the reference
+    runs each half with its rank's argument. Losses and gradients match at 1e-5 each step."""
+    exact = dict(atol=1e-5, rtol=1e-5)
+    opt, ref_opt = optimizer(model.parameters(), **optim), optimizer(ref.parameters(), **optim)
+    mine = arg_of_rank(mesh.get_local_rank())
+    for i, batch in enumerate(stack_batches(STEPS)):
+        x, y = local(batch, mesh)
+        loss = F.mse_loss(model(x, mine), y)
+        loss.backward()
+        halves = [t.chunk(2) for t in batch]
+        ref_loss = sum(F.mse_loss(ref(halves[0][r], arg_of_rank(r)), halves[1][r]) for r in range(2)) / 2
+        ref_loss.backward()
+        close(mean_over_ranks(loss, mesh), ref_loss.detach(), f"loss at step {i}", exact)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            close(full(p.grad), q.grad, f"grad {name} at step {i}", exact)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(full(p.detach()), q.detach(), f"param {name}", exact)
+
+
 @checks()
 def rank_divergent_branches_complete_and_match_reference(mesh, impl):
     torch.manual_seed(0)
@@ -161,22 +184,7 @@ def rank_divergent_branches_complete_and_match_reference(mesh, impl):
     FULLY_SHARD[impl](model, mesh=mesh)
     if impl == "torch":
         model.set_reduce_scatter_unused_params(True)  # FSDP2 needs this; shardkit does it always
-    opt = torch.optim.AdamW(model.parameters(), **OPTIM)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **OPTIM)
-    mine = "ab"[mesh.get_local_rank()]
-    for i, batch in enumerate(stack_batches(STEPS)):
-        x, y = local(batch, mesh)
-        loss = F.mse_loss(model(x, mine), y)
-        loss.backward()
-        halves = [t.chunk(2) for t in batch]  # the reference: half a through a, half b through b
-        ref_loss = sum(F.mse_loss(ref(halves[0][r], "ab"[r]), halves[1][r]) for r in range(2)) / 2
-        ref_loss.backward()
-        close(mean_over_ranks(loss, mesh), ref_loss.detach(), f"loss at step {i}", dict(atol=1e-5, rtol=1e-5))
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            close(full(p.grad), q.grad, f"grad {name} at step {i}", dict(atol=1e-5, rtol=1e-5))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_rank_dependent(model, ref, mesh, lambda rank: "ab"[rank], **OPTIM)
 
 
 @checks("shardkit")  # FSDP2 hangs here: rank 0 all-gathers a while rank 1 all-gathers b
@@ -188,25 +196,9 @@ def branches_sharded_as_separate_groups_match_reference_in_lockstep(mesh, impl):
     shardkit.fully_shard(model.b, mesh=mesh)
     shardkit.fully_shard(model, mesh=mesh)
     model.set_lockstep(True)
-    opt = torch.optim.AdamW(model.parameters(), **OPTIM)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **OPTIM)
-    mine = "ab"[mesh.get_local_rank()]
-    for i, batch in enumerate(stack_batches(STEPS)):
-        x, y = local(batch, mesh)
-        loss = F.mse_loss(model(x, mine), y)
-        loss.backward()
-        halves = [t.chunk(2) for t in batch]
-        ref_loss = sum(F.mse_loss(ref(halves[0][r], "ab"[r]), halves[1][r]) for r in range(2)) / 2
-        ref_loss.backward()
-        close(mean_over_ranks(loss, mesh), ref_loss.detach(), f"loss at step {i}", dict(atol=1e-5, rtol=1e-5))
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            close(full(p.grad), q.grad, f"grad {name} at step {i}", dict(atol=1e-5, rtol=1e-5))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_rank_dependent(model, ref, mesh, lambda rank: "ab"[rank], **OPTIM)
     # and a step where both ranks take the same branch still works
-    loss = F.mse_loss(model(x, "a"), y)
-    loss.backward()
+    model(torch.randn(4, 8), "a").sum().backward()
     assert model.b.weight.grad is None and model.a.weight.grad is not None
 
 
@@ -232,23 +224,7 @@ def a_group_run_on_one_rank_only_matches_reference_in_lockstep(mesh, impl):
     shardkit.fully_shard(model.extra, mesh=mesh)
     shardkit.fully_shard(model, mesh=mesh)
     model.set_lockstep(True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    rank = mesh.get_local_rank()
-    for i, batch in enumerate(stack_batches(STEPS)):
-        x, y = local(batch, mesh)
-        loss = F.mse_loss(model(x, rank == 0), y)
-        loss.backward()
-        halves = [t.chunk(2) for t in batch]
-        ref_loss = sum(F.mse_loss(ref(halves[0][r], r == 0), halves[1][r]) for r in range(2)) / 2
-        ref_loss.backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            close(full(p.grad), q.grad, f"grad {name} at step {i}", dict(atol=1e-5, rtol=1e-5))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        close(full(p.detach()), q.detach(), f"param {name}", dict(atol=1e-5, rtol=1e-5))
+    train_rank_dependent(model, ref, mesh, lambda rank: rank == 0, torch.optim.SGD, lr=0.1)
 
 
 class Embedded(nn.Module):
