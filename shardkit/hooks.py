@@ -1,4 +1,4 @@
-"""GroupState: the hooks of one ``fully_shard`` call, and the root's per-step bookkeeping.
+"""GroupState: the hooks of one ``fully_shard`` call (the root's bookkeeping is in root.py).
 
 The life of a step, for one group (see docs/design.md for the sequence diagram):
 
@@ -24,39 +24,19 @@ reduce-scatters.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit import lockstep
-from shardkit.param_group import ParamGroup, still_on_meta
+from shardkit.param_group import ParamGroup
 from shardkit.policies import MixedPrecisionPolicy
+from shardkit.root import MAX_REDUCING, RootContext, _reset_state, class_name, state_of
 from shardkit.state import Phase, PhaseEvent, PhaseMachine
-
-
-MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
-
-
-class RootContext:
-    """What the groups under one root share, set up at the root's lazy init."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.states: list[GroupState] = []  # every group under the root, module order
-        self.forward_root: GroupState | None = None  # whose forward opened this pass
-        self.final_callback_queued = False
-        self.is_last_backward = True
-        self.forward_order: list[GroupState] = []  # pre-forward order of the last forward pass
-        self.forward_seen: list[GroupState] = []  # ... and of this one so far (forward prefetch)
-        self.post_forward_order: list[GroupState] = []  # for backward prefetch
-        self.reducing: list[ParamGroup] = []  # groups whose reduce-scatter is in flight
-        self.lockstep = False  # agree on every collective first (shardkit/lockstep.py)
-        self.lockstep_group, self.lockstep_world = None, 1
+from shardkit.tensors import cast_floating, iter_tensors, to_device
 
 
 class GroupState:
@@ -102,47 +82,9 @@ class GroupState:
     def name(self) -> str:
         return self.machine.name
 
-    # Lazy init -----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
         """Make this state the root of every group below its module (first forward only)."""
-        root_module = self.modules[0]
-        if self.parent is not None:
-            raise RuntimeError(
-                f"shardkit: {class_name(root_module)} (a fully_shard module inside "
-                f"{class_name(self.parent.modules[0])}) ran forward before its root. Run the "
-                "first forward through the root module, the one fully_shard was applied to last."
-            )
-        if len(self.modules) > 1:
-            raise RuntimeError(
-                f"shardkit: the first forward ran through a fully_shard group of several modules "
-                f"({', '.join(class_name(m) for m in self.modules)}); the root must be one module "
-                "that contains the others: call fully_shard on the whole model too."
-            )
-        ctx = RootContext(self.device)
-        for fqn, module in root_module.named_modules():
-            state = state_of(module)
-            if state is None:
-                continue
-            if state.ctx is ctx:  # a group of several modules, met again
-                state.machine.name += f", {fqn}"
-                continue
-            if state is not self and state.is_root is not None:
-                raise RuntimeError(
-                    f"shardkit: the fully_shard module '{fqn}' already ran forward as its own root. "
-                    "Run the first forward through the outermost fully_shard module."
-                )
-            state.is_root, state.ctx, state.machine.name = state is self, ctx, fqn
-            if state.reshard_after_forward_arg is None:
-                state.reshard_after_forward = not state.is_root
-            state.index = len(ctx.states)
-            ctx.states.append(state)
-        _name_params(root_module, ctx.states)
-        _check_materialized(root_module)
-        for state in ctx.states:
-            if state.group is not None:
-                state.group.name = state.name
-                state.group.lazy_init()
-        self.ctx = ctx
+        self.ctx = RootContext.build(self)
         self.set_lockstep(self.lockstep_requested)
 
     def set_lockstep(self, enabled: bool) -> None:
@@ -237,20 +179,16 @@ class GroupState:
         dtype = self.mp_policy.param_dtype
         if dtype is None or not self.mp_policy.cast_forward_inputs:
             return args, kwargs
-        return _cast_floating((args, kwargs), dtype)
+        return cast_floating((args, kwargs), dtype)
 
     def _cast_output(self, output: Any) -> Any:
         """Floating-point tensor outputs to ``output_dtype`` (``MixedPrecisionPolicy``)."""
         dtype = self.mp_policy.output_dtype
-        return output if dtype is None else _cast_floating(output, dtype)
+        return output if dtype is None else cast_floating(output, dtype)
 
     def _inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The root moves forward inputs to the accelerator, like DDP and FSDP2."""
-        if self.device.type == "cpu":
-            return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        flat = [x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in flat]
-        return tree_unflatten(flat, spec)
+        return (args, kwargs) if self.device.type == "cpu" else to_device((args, kwargs), self.device)
 
     # Unshard helpers -----------------------------------------------------------------------
     def _unshard_now(self) -> None:
@@ -307,7 +245,7 @@ class GroupState:
         self.machine.advance(PhaseEvent.PRE_BACKWARD)
         if not self.ctx.final_callback_queued:
             self.ctx.final_callback_queued = True
-            Variable._execution_engine.queue_callback(self.ctx.states[0]._finish_backward)
+            Variable._execution_engine.queue_callback(self.ctx.finish_backward)
         if self.unshard_in_backward:
             self._unshard_now()
         for owner in self.borrowed:
@@ -347,53 +285,12 @@ class GroupState:
         while len(reducing) > MAX_REDUCING or (len(reducing) > 1 and reducing[0].reduce_done()):
             reducing.pop(0).finish_reduce()
 
-    def _finish_backward(self) -> None:
-        """The root's final autograd callback: reduce what did not reduce, return to IDLE."""
-        ctx = self.ctx
-        for state in reversed(ctx.states):  # backward order: blocks last-to-first, root last
-            if state.machine.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
-                state._post_backward()
-        for state in ctx.states:
-            if state.deferred_reduce:  # its borrowers never ran backward
-                state.deferred_reduce = False
-                state._reduce_now()
-        if ctx.lockstep:
-            lockstep.drain(ctx)  # serve the ranks still in their backward
-        for group in ctx.reducing:  # the optimizer step comes next
-            group.finish_reduce()
-        ctx.reducing = []
-        if ctx.device.type == "cuda" and any(s.group.host_sync for s in ctx.states if s.group):
-            torch.cuda.current_stream(ctx.device).synchronize()  # offloaded grads copied to pinned memory
-        for state in ctx.states:
-            state.machine.advance(PhaseEvent.FINALIZE)
-            if state.group is not None and state.group._pending:  # prefetched, then not used
-                state.group.reshard()
-        ctx.final_callback_queued = False
-        if ctx.is_last_backward:
-            ctx.post_forward_order.clear()
-            for state in ctx.states:
-                state._post_forward_indices.clear()
-
     def reset_iter_state(self) -> None:
         """Return every group under this root to IDLE and sharded after an aborted step."""
-        for state in self.ctx.states if self.ctx else [self]:
-            state.machine.reset()
-            state._modules_to_run.clear()
-            state._open_calls = 0
-            state._post_forward_indices.clear()
-            if state.group is not None:
-                state.group.finish_reduce(keep=False)
-                state.group.reshard()
-                for p in state.group.params:
-                    if p.unsharded_param is not None:
-                        p.unsharded_param.grad = None
-                    p.accumulated_grad = None
-        if self.ctx:
-            self.ctx.forward_root = None
-            self.ctx.final_callback_queued = False
-            self.ctx.post_forward_order.clear()
-            self.ctx.forward_seen.clear()
-            self.ctx.reducing = []
+        if self.ctx is not None:
+            self.ctx.reset()
+        else:
+            _reset_state(self)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -419,48 +316,3 @@ class _PostBackward(torch.autograd.Function):
         for i, out in zip(where, outs):
             flat[i] = out
         return tree_unflatten(flat, spec)
-
-
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Every floating-point tensor inside ``obj`` (tuples, dicts, dataclasses, ...) as ``dtype``."""
-    cast = lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x  # noqa: E731
-    return _apply_to_tensors(cast, obj)
-
-
-def state_of(module: nn.Module) -> GroupState | None:
-    return module.__dict__.get("_shardkit_state")
-
-
-def class_name(module: nn.Module) -> str:
-    """The user's class name, without the ``FSDP`` subclass that fully_shard swaps in."""
-    cls = type(module)
-    return cls.__mro__[2].__name__ if state_of(module) is not None else cls.__name__
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts and dataclasses (model outputs)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from iter_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_tensors(x)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name))
-
-
-def _check_materialized(root_module: nn.Module) -> None:
-    meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
-    if meta:
-        raise still_on_meta(meta)
-
-
-def _name_params(root_module: nn.Module, states: list[GroupState]) -> None:
-    """Give every sharded parameter its FQN under the root, for error messages and traces."""
-    by_param = {id(p.sharded_param): p for s in states if s.group for p in s.group.params}
-    for fqn, param in root_module.named_parameters(remove_duplicate=False):
-        if id(param) in by_param:
-            by_param[id(param)].fqn = fqn

@@ -31,7 +31,8 @@ from shardkit.comm import collectives
 from shardkit.state import Phase, PhaseEvent
 
 if TYPE_CHECKING:
-    from shardkit.hooks import GroupState, RootContext
+    from shardkit.hooks import GroupState
+    from shardkit.root import RootContext
 
 DONE, NOTHING = -1, -2
 
