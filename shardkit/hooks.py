@@ -282,7 +282,13 @@ class GroupState:
         # the oldest if more than MAX_REDUCING are in flight.
         reducing = self.ctx.reducing
         reducing.append(self.group)
-        while len(reducing) > MAX_REDUCING or (len(reducing) > 1 and reducing[0].reduce_done()):
+        done = []
+        for group in reducing:  # in issue order, stopping at the first not done
+            done.append(group.reduce_progress())
+            if not done[-1]:
+                break
+        while len(reducing) > MAX_REDUCING or (len(reducing) > 1 and done and done[0]):
+            done.pop(0)
             reducing.pop(0).finish_reduce()
 
     def reset_iter_state(self) -> None:

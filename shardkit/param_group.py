@@ -229,9 +229,10 @@ class ParamGroup:
                     keep = self._partial
             self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, divide_by, replicate, partial, keep))
 
-    def reduce_done(self) -> bool:
-        """Whether the issued reduce-scatters have completed (without waiting)."""
-        return all(collectives.is_done(p) for p in self._reducing)
+    def reduce_progress(self) -> bool:
+        """Move the issued reductions on without blocking, in issue order (so every rank starts
+        its HSDP all-reduces in the same order); whether all have completed."""
+        return all(collectives.progress(p) for p in self._reducing)  # stops at the first not done
 
     def finish_reduce(self, keep: bool = True) -> None:
         """Wait for the issued reduce-scatters; give the results to ``.grad`` unless ``keep=False``."""

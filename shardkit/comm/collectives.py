@@ -205,6 +205,7 @@ class PendingReduceScatter:
     partial: torch.Tensor | None = None  # HSDP: earlier sums kept without all-reduce, added first
     keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
     reduced: torch.Tensor | None = None  # (per_rank,): divided (on the side stream, CUDA)
+    all_reduce_started: bool = False  # CPU: ``work`` is now the all-reduce over the replicas
 
 
 def reduce_scatter(
@@ -266,38 +267,58 @@ def reduce_scatter(
             pending.work, pending.send = None, None  # done on the side stream
             pending.event = comm.streams.done("reduce_scatter")
     if cuda:  # the rest is enqueued now too, ordered after the reduce-scatter by an event
-        _after_reduce_scatter(pending, comm)
+        with comm.streams.side("all_reduce", after=pending.event):
+            _start_all_reduce(pending, async_op=False)
+            if pending.keep_partial is None:
+                pending.reduced = _divided(pending)
+        pending.event = comm.streams.done("all_reduce")
     return pending
 
 
-def _after_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
-    """Add the kept partial sums, all-reduce over the replicas (HSDP), divide. On CUDA this is
-    enqueued on the all-reduce stream behind the reduce-scatter; on CPU it runs at finish."""
-    with comm.streams.side("all_reduce", after=pending.event):
-        if pending.partial is not None:
-            pending.chunk.add_(pending.partial)
-        if pending.keep_partial is None:
-            if pending.replicate is not None:
-                replicate = pending.replicate
-                trace.record("all_reduce", pending.name, dtype=pending.chunk.dtype, numel=pending.chunk.numel(), world=replicate.world)
-                check.before(replicate.group, "all_reduce", pending.name, pending.chunk.dtype, pending.chunk.numel(), replicate.world)
-                dist.all_reduce(pending.chunk, op=dist.ReduceOp.SUM, group=replicate.group)
-            pending.reduced = _divided(pending)
-    if pending.event is not None:
-        pending.event = comm.streams.done("all_reduce")
+def _start_all_reduce(pending: PendingReduceScatter, async_op: bool) -> dist.Work | None:
+    """After the reduce-scatter: add the kept partial sums, and issue the all-reduce over the
+    replicas (HSDP) unless it is skipped. On CUDA this is enqueued on the all-reduce stream
+    behind the reduce-scatter; on CPU it starts once the reduce-scatter has completed."""
+    pending.all_reduce_started = True
+    if pending.partial is not None:
+        pending.chunk.add_(pending.partial)
+    replicate = pending.replicate
+    if replicate is None or pending.keep_partial is not None:
+        return None
+    chunk = pending.chunk
+    trace.record("all_reduce", pending.name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world)
+    check.before(replicate.group, "all_reduce", pending.name, chunk.dtype, chunk.numel(), replicate.world)
+    return dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=replicate.group, async_op=async_op)
+
+
+def progress(pending: PendingReduceScatter) -> bool:
+    """Move the reduction on without blocking: once the reduce-scatter has completed, start
+    the all-reduce over the replicas (CPU). Returns whether all of it has completed."""
+    if pending.work is None:  # CUDA (all enqueued; the event tells) or nothing left to wait for
+        return pending.event is None or pending.event.query()
+    if not pending.work.is_completed():
+        return False
+    if not pending.all_reduce_started:
+        _wait(pending.work)
+        pending.work = _start_all_reduce(pending, async_op=True)
+        return pending.work is None
+    return True
 
 
 def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
     """Wait for the reduction and give each parameter its rows as (part of) ``.grad``."""
-    if pending.work is not None:
+    if pending.work is not None:  # CPU: the reduce-scatter, or the all-reduce progress() started
         _wait(pending.work)
-        _after_reduce_scatter(pending, comm)
+    if not pending.all_reduce_started:
+        work = _start_all_reduce(pending, async_op=True)
+        if work is not None:
+            _wait(work)
     comm.streams.wait(pending.event)
     bucket = pending.bucket
     if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
         pending.keep_partial[tuple(map(id, bucket.params))] = pending.chunk
         return
-    reduced = pending.reduced
+    reduced = pending.reduced if pending.reduced is not None else _divided(pending)
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.
     counts = pending.chunk[bucket.per_rank :].tolist() if pending.missing else None
@@ -313,13 +334,6 @@ def _wait(work: dist.Work) -> None:
         work.wait()
     except Exception as exc:  # a timeout or a dead peer: say what this rank had issued
         raise check.failed(exc) from exc
-
-
-def is_done(pending: PendingReduceScatter) -> bool:
-    """Whether the collective has completed, without waiting (on CUDA: the side stream's event)."""
-    if pending.work is not None:
-        return pending.work.is_completed()
-    return pending.event is None or pending.event.query()
 
 
 def _divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:
