@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -93,8 +94,12 @@ class GroupState:
             return  # applied at lazy init
         meshes = [s.group.mesh for s in self.ctx.states if s.group is not None]
         self.ctx.lockstep = enabled and bool(meshes)
-        if self.ctx.lockstep:
-            self.ctx.lockstep_group, self.ctx.lockstep_world = meshes[0].get_group(), meshes[0].size()
+        if self.ctx.lockstep:  # the tokens go to every rank of the mesh (both dims for HSDP)
+            mesh = meshes[0]
+            group = mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+            if mesh.ndim > 1 and mesh.size() != dist.get_world_size():
+                raise NotImplementedError("set_lockstep with a 2-D mesh needs the mesh to span every rank")
+            self.ctx.lockstep_group, self.ctx.lockstep_world = group, mesh.size()
 
     # Forward -------------------------------------------------------------------------------
     # torch.compile'd modules run their hooks inside the compiled region; ours allocate and

@@ -126,6 +126,7 @@ def _reset_state(state: "GroupState") -> None:
     state._modules_to_run.clear()
     state._open_calls = 0
     state._post_forward_indices.clear()
+    state.deferred_reduce = False
     if state.group is not None:
         state.group.finish_reduce(keep=False)
         state.group.reshard()

@@ -202,6 +202,20 @@ def branches_sharded_as_separate_groups_match_reference_in_lockstep(mesh, impl):
     assert model.b.weight.grad is None and model.a.weight.grad is not None
 
 
+@checks("shardkit")
+def branches_as_separate_hsdp_groups_match_reference_in_lockstep(mesh, impl):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    hsdp = DeviceMesh("cpu", torch.arange(2).view(1, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = Branches()
+    ref = copy.deepcopy(model)
+    for module in (model.a, model.b, model):
+        shardkit.fully_shard(module, mesh=hsdp)
+    model.set_lockstep(True)
+    train_rank_dependent(model, ref, mesh, lambda rank: "ab"[rank], **OPTIM)
+
+
 class Extra(nn.Module):
     """Rank 0 runs an extra block (say, an image encoder for the images only it has)."""
 
