@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
+from shardkit.dtensor.sharded_param import ParamOptions, ParamSlot, ShardedParam
 from shardkit.hooks import GroupState, class_name, state_of
 from shardkit.module import FSDPModule
 from shardkit.param_group import ParamGroup
@@ -73,12 +73,7 @@ def fully_shard(
     managed, nested = _managed_modules(modules)
     slots, borrowed = _param_slots(managed, ignored)
     _move_buffers(managed, device)
-    options = dict(
-        param_dtype=mp_policy.param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype,
-        offload=offload,
-        pin_memory=pin_memory,
-    )
+    options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory)
     params = [_shard_param(p, s, mesh, device, shard_placement_fn, options) for p, s in slots.items()]
     if post_forward_mesh is not None and any(p.dim != 0 for p in params):
         raise NotImplementedError(
@@ -87,20 +82,25 @@ def fully_shard(
         )
     group = ParamGroup(params, mesh, post_forward_mesh) if params else None
     state = GroupState(modules, group, reshard_after_forward, device, mp_policy)
-    for original, p in zip(slots, params):  # later calls may meet the original again (tied weights)
+    _install(state, dict(zip(slots, params)), borrowed, nested)
+    return module
+
+
+def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borrowed: dict, nested: list[GroupState]) -> None:
+    """Register the sharded parameters (and the borrowed, tied ones), link the nested groups,
+    and make the modules FSDPModules."""
+    for original, p in sharded.items():  # later calls may meet the original again (tied weights)
         original._shardkit_shared = (p, state)
-    for p in params:
         p.to_sharded()
     for (p, owner), more_slots in borrowed.items():
         _borrow(state, owner, p, more_slots)
-    own = [(slot, p) for p in params for slot in p.slots]
+    own = [(slot, p) for p in sharded.values() for slot in p.slots]
     _accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
     for inner in nested:
         inner.parent = state
-    for m in modules:
+    for m in state.modules:
         m.__dict__["_shardkit_state"] = state
         m.__class__ = _fsdp_class(type(m))
-    return module
 
 
 def _check_modules(module: Any) -> tuple[nn.Module, ...]:
@@ -288,7 +288,7 @@ def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn, options: dict) -> ShardedParam:
+def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn, options: ParamOptions) -> ShardedParam:
     where = f"'{slots[0].name}' of {class_name(slots[0].module)}"
     dim = 0
     if placement_fn is not None and (placement := placement_fn(p)) is not None:
@@ -297,7 +297,7 @@ def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, devi
         dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < p.dim():
             raise ValueError(f"shard_placement_fn returned {placement} for {where}, which has only {p.dim()} dims.")
-    return ShardedParam(p, slots, mesh, device, dim=dim, **options)
+    return ShardedParam(p, slots, mesh, device, options, dim)
 
 
 def _fsdp_class(cls: type) -> type:

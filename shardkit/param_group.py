@@ -219,15 +219,14 @@ class ParamGroup:
                 continue  # frozen parameters get no reduction
             grads = [p.take_unsharded_grad() for p in trainable]
             sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
-            divide_by = self.gradient_divide_factor or self.world * self.replicas
-            replicate, keep, partial = None, None, None
-            if self._replicate_comm is not None:
-                partial = self._partial.pop(tuple(map(id, sub.params)), None)
+            how = collectives.Reduction(self.gradient_divide_factor or self.world * self.replicas)
+            if self._replicate_comm is not None:  # HSDP
+                how.partial = self._partial.pop(tuple(map(id, sub.params)), None)
                 if self.all_reduce_grads:
-                    replicate = self._replicate_comm
+                    how.replicate = self._replicate_comm
                 else:
-                    keep = self._partial
-            self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, divide_by, replicate, partial, keep))
+                    how.keep_partial = self._partial
+            self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, how))
 
     def reduce_progress(self) -> bool:
         """Move the issued reductions on without blocking, in issue order (so every rank starts

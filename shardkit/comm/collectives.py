@@ -190,6 +190,16 @@ def _copy_out(bucket: Bucket, output: torch.Tensor, world: int) -> None:
 
 # Reduce-scatter ----------------------------------------------------------------------------
 @dataclass
+class Reduction:
+    """How a group's gradients are reduced, besides the bucket and its process group."""
+
+    divide_by: float  # the sum over ranks is divided by this (the ranks, or the user's factor)
+    replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after
+    partial: torch.Tensor | None = None  # HSDP: earlier sums kept without all-reduce, added first
+    keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
+
+
+@dataclass
 class PendingReduceScatter:
     bucket: Bucket
     grads: list[torch.Tensor | None]  # CUDA: the inputs, alive until the compute stream waits
@@ -201,56 +211,30 @@ class PendingReduceScatter:
     missing: list[int]  # indices of the parameters this rank has no gradient for
     chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
     name: str = ""
-    replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after
-    partial: torch.Tensor | None = None  # HSDP: earlier sums kept without all-reduce, added first
-    keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
+    replicate: Comm | None = None  # see Reduction
+    partial: torch.Tensor | None = None
+    keep_partial: dict | None = None
     reduced: torch.Tensor | None = None  # (per_rank,): divided (on the side stream, CUDA)
     all_reduce_started: bool = False  # CPU: ``work`` is now the all-reduce over the replicas
 
 
-def reduce_scatter(
-    bucket: Bucket,
-    grads: list[torch.Tensor | None],
-    comm: Comm,
-    name: str,
-    divide_by: float,
-    replicate: Comm | None = None,
-    partial: torch.Tensor | None = None,
-    keep_partial: dict | None = None,
-) -> PendingReduceScatter:
+def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, how: Reduction) -> PendingReduceScatter:
     """Issue one reduction of the bucket's unsharded grads (None where this rank has none),
-    in the bucket's dtype (``reduce_dtype``), and divide the sum by ``divide_by`` (the number
-    of ranks, like DDP, or the user's factor).
+    in the bucket's dtype (``reduce_dtype``), and divide the sum by ``how.divide_by``.
 
     In a dtype with little range (fp16) part of the division comes before the sum, so that the
-    sum of ``world`` gradients cannot overflow (FSDP2's pre/post factors). With ``replicate``
-    (HSDP), the reduced chunk is then all-reduced over the replicas; with ``keep_partial`` it
-    is not, and is kept (undivided) for the next reduction to add.
+    sum of ``world`` gradients cannot overflow (FSDP2's pre/post factors). With
+    ``how.replicate`` (HSDP), the reduced chunk is then all-reduced over the replicas; with
+    ``how.keep_partial`` it is not, and is kept (undivided) for the next reduction to add.
     """
     params, world, cuda = bucket.params, comm.world, comm.streams.is_cuda
-    pre, post = _divide_factors(divide_by, bucket.dtype)
+    pre, post = _divide_factors(how.divide_by, bucket.dtype)
     via = "via all_reduce" if comm.reduce_by_all_reduce else ""
     trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=world * (bucket.per_rank + len(params)), world=world)
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, world * (bucket.per_rank + len(params)), world)
     with comm.streams.side("reduce_scatter"):
-        device = params[0].device
         missing = [i for i, g in enumerate(grads) if g is None]
-        present = bucket.all_present(device)  # (n,) ones, made once: no host-to-device copy per step
-        if missing:
-            present = present.clone()
-            present[missing] = 0
-        filled = [
-            torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g if g.dtype == bucket.dtype else g.to(bucket.dtype)
-            for p, g in zip(params, grads)
-        ]
-        if bucket.by_rows:
-            send = torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)  # (world, per_rank + n)
-        else:
-            send = torch.empty(world, bucket.per_rank + len(params), dtype=bucket.dtype, device=device)
-            blocks = send.split([*bucket.shard_numels, len(params)], dim=1)
-            for p, g, block in zip(params, filled, blocks):
-                p.chunk_grad_into(g, block)
-            blocks[-1].copy_(present.expand(world, -1))
+        send = _reduce_scatter_input(bucket, grads, missing, world)  # (world, per_rank + n)
         if pre != 1:
             send.div_(pre)  # the presence column too: it only has to stay above zero
         if comm.reduce_by_all_reduce:
@@ -261,7 +245,7 @@ def reduce_scatter(
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=not cuda)
         pending = PendingReduceScatter(
             bucket, grads if cuda else [], send, chunk, work, None, post, missing, comm.reduce_by_all_reduce,
-            name, replicate, partial, keep_partial,
+            name, how.replicate, how.partial, how.keep_partial,
         )
         if cuda:
             pending.work, pending.send = None, None  # done on the side stream
@@ -273,6 +257,28 @@ def reduce_scatter(
                 pending.reduced = _divided(pending)
         pending.event = comm.streams.done("all_reduce")
     return pending
+
+
+def _reduce_scatter_input(bucket: Bucket, grads: list[torch.Tensor | None], missing: list[int], world: int) -> torch.Tensor:
+    """Copy-in: every gradient (zeros where missing) as ``world`` padded chunks, rank-major,
+    then the grad-presence column: ``(world, per_rank + n)``."""
+    params, device = bucket.params, bucket.params[0].device
+    present = bucket.all_present(device)  # (n,) ones, made once: no host-to-device copy per step
+    if missing:
+        present = present.clone()
+        present[missing] = 0
+    filled = [
+        torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g if g.dtype == bucket.dtype else g.to(bucket.dtype)
+        for p, g in zip(params, grads)
+    ]
+    if bucket.by_rows:
+        return torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)
+    send = torch.empty(world, bucket.per_rank + len(params), dtype=bucket.dtype, device=device)
+    blocks = send.split([*bucket.shard_numels, len(params)], dim=1)
+    for p, g, block in zip(params, filled, blocks):
+        p.chunk_grad_into(g, block)  # split along another dim: rearranged per parameter
+    blocks[-1].copy_(present.expand(world, -1))
+    return send
 
 
 def _start_all_reduce(pending: PendingReduceScatter, async_op: bool) -> dist.Work | None:

@@ -58,6 +58,16 @@ class ParamSlot:
     name: str
 
 
+@dataclass(frozen=True)
+class ParamOptions:
+    """What a ``fully_shard`` call's policies ask of each of its parameters."""
+
+    param_dtype: torch.dtype | None = None  # MixedPrecisionPolicy
+    reduce_dtype: torch.dtype | None = None
+    offload: bool = False  # CPUOffloadPolicy
+    pin_memory: bool = False
+
+
 class ShardedParam:
     def __init__(
         self,
@@ -65,10 +75,7 @@ class ShardedParam:
         slots: list[ParamSlot],
         mesh: DeviceMesh,
         device: torch.device,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        offload: bool = False,
-        pin_memory: bool = False,
+        options: ParamOptions = ParamOptions(),
         dim: int = 0,
     ):
         if param.dim() == 0:
@@ -87,10 +94,10 @@ class ShardedParam:
         self.device = device  # where the unsharded parameter lives and the collectives run
         # Mixed precision applies to floating-point parameters only (as in FSDP2).
         floating = self.dtype.is_floating_point
-        self.param_dtype = param_dtype if param_dtype is not None and floating else self.dtype
-        self.reduce_dtype = reduce_dtype if reduce_dtype is not None and floating else self.param_dtype
-        self.offload = offload
-        self.pin_memory = pin_memory and offload and device.type != "cpu"  # pinning needs an accelerator
+        self.param_dtype = options.param_dtype if options.param_dtype is not None and floating else self.dtype
+        self.reduce_dtype = options.reduce_dtype if options.reduce_dtype is not None and floating else self.param_dtype
+        self.offload = options.offload
+        self.pin_memory = options.pin_memory and options.offload and device.type != "cpu"  # pinning needs an accelerator
         self.post_forward_rows = self.post_forward_numel = self.post_forward_index = 0  # set by set_post_forward
         self.post_forward_shard: torch.Tensor | None = None
         self._init_requires_grad = param.requires_grad
