@@ -173,6 +173,33 @@ class Wrapped(Stack):
 
 
 @checks()
+def microbatching_with_fsdp2s_knobs_matches_one_big_batch(mesh, impl):
+    """The usual FSDP2 microbatch loop: no sync, no reshard after backward and not the last
+    backward until the last microbatch. Parameters stay gathered from one backward to the next
+    forward."""
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    for step in range(3):
+        micro_batches = stack_batches(3, seed=20 + step)
+        gathers = []
+        for i, micro_batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            p.model.set_is_last_backward(last)
+            p.model.set_requires_gradient_sync(last)
+            p.model.set_reshard_after_backward(last)
+            with count_collectives(impl) as counts:
+                (stack_loss(p.model, local(micro_batch, mesh)) / len(micro_batches)).backward()
+            gathers.append(counts.all_gather)
+        big_batch = tuple(torch.cat(ts) for ts in zip(*micro_batches))
+        stack_loss(p.ref, big_batch).backward()
+        p.assert_grads_match()
+        p.optimizer_step()
+        # Later microbatches' forwards gather nothing (kept since the last backward); the blocks
+        # still reshard after forward and gather again in backward.
+        assert gathers == [5, 2, 2], f"all-gathers per micro-batch: {gathers}"
+    p.assert_params_match()
+
+
+@checks()
 def wrapped_blocks_match_reference(mesh, impl):
     """Activation checkpointing (both kinds) re-gathers in backward; a block called twice
     reduces twice, and the two partial reductions add up."""
