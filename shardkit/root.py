@@ -40,6 +40,7 @@ class RootContext:
         self.reducing: list["ParamGroup"] = []  # groups whose reduce-scatter is in flight
         self.lockstep = False  # agree on every collective first (shardkit/lockstep.py)
         self.lockstep_group, self.lockstep_world = None, 1
+        self.host_sync = False  # set by build
 
     @classmethod
     def build(cls, root: "GroupState") -> "RootContext":
@@ -75,6 +76,8 @@ class RootContext:
                 state.reshard_after_forward = not state.is_root
             state.index = len(ctx.states)
             ctx.states.append(state)
+        # Offloaded gradients go to pinned host memory asynchronously: wait at the end of backward.
+        ctx.host_sync = ctx.device.type == "cuda" and any(s.group.host_sync for s in ctx.states if s.group)
         _name_params(root_module, ctx.states)
         _check_materialized(root_module)
         for state in ctx.states:
@@ -97,7 +100,7 @@ class RootContext:
         for group in self.reducing:  # the optimizer step comes next
             group.finish_reduce()
         self.reducing = []
-        if self.device.type == "cuda" and any(s.group.host_sync for s in self.states if s.group):
+        if self.host_sync:
             torch.cuda.current_stream(self.device).synchronize()  # offloaded grads copied to pinned memory
         for state in self.states:
             state.machine.advance(PhaseEvent.FINALIZE)

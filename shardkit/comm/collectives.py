@@ -26,7 +26,8 @@ ranks (measured; see docs/design.md), although it moves twice the bytes. The tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class Bucket:
-    """Parameters of one group that travel in one collective: one dtype, one layout."""
+    """Parameters of one group that travel in one collective: one dtype, one layout. Built at
+    lazy init, when the padded shards and unsharded buffers exist; everything a collective
+    needs from it each step (views, flags) is worked out here, once."""
 
     params: list[ShardedParam]
     dtype: torch.dtype  # what the collective carries
@@ -50,42 +53,44 @@ class Bucket:
     shard_numels: list[int]  # padded shard elements per parameter
     per_rank: int  # sum of shard_numels: one rank's all-gather input / reduce-scatter output
     post_forward: bool = False  # all-gather the post-forward shards instead of the padded shards
-    _all_present: torch.Tensor | None = None
-    _views: dict = field(default_factory=dict)  # views made once (they survive storage resizes)
 
-    @property
-    def by_rows(self) -> bool:
-        """Every parameter is split along dim 0: the collectives' layout is the unsharded one."""
-        if "by_rows" not in self._views:
-            self._views["by_rows"] = all(p.dim == 0 for p in self.params)
-        return self._views["by_rows"]
+    def __post_init__(self) -> None:
+        # Every parameter split along dim 0: the collectives' layout is the unsharded one.
+        self.by_rows = all(p.dim == 0 for p in self.params)
+        # Copy-in casts (mixed precision) or moves host-to-device (offload); post-forward
+        # shards are already in param_dtype on the device.
+        self.copy_in_converts = not self.post_forward and any(
+            p.dtype != self.dtype or p.shard_device != p.device for p in self.params
+        )
+        self._padded_inputs = [p.padded_shard.view(-1) for p in self.params]
+        self._all_present: torch.Tensor | None = None
+        self._subsets: dict[tuple[int, ...], Bucket] = {}
+
+    @functools.cached_property
+    def columns(self) -> list[torch.Tensor]:
+        """Copy-out targets: each unsharded buffer as (world, shard_numel). Made at the first
+        all-gather, while the storage is allocated; views survive its later resizes."""
+        return [p.unsharded_flat[: self.world * n].view(self.world, n) for p, n in zip(self.params, self.shard_numels)]
 
     def all_present(self, device: torch.device) -> torch.Tensor:
-        """The grad-presence column when every parameter has a gradient, cached."""
-        if self._all_present is None or self._all_present.device != device:
+        """The grad-presence column when every parameter has a gradient, made once."""
+        if self._all_present is None:
             self._all_present = torch.ones(len(self.params), dtype=self.dtype, device=device)
         return self._all_present
 
     def inputs(self) -> list[torch.Tensor]:
-        """Each parameter's all-gather input, flat (any dtype or device: cast on copy-in)."""
+        """Each parameter's all-gather input, flat (cast or moved on copy-in if need be)."""
         if self.post_forward:
             return [p.post_forward_shard for p in self.params]
-        if "inputs" not in self._views:
-            self._views["inputs"] = [p.padded_shard.view(-1) for p in self.params]
-        return self._views["inputs"]
-
-    def columns(self) -> list[torch.Tensor]:
-        """Each parameter's unsharded buffer as (world, shard_numel): the copy-out targets."""
-        if "columns" not in self._views:
-            self._views["columns"] = [
-                p.unsharded_flat[: self.world * n].view(self.world, n) for p, n in zip(self.params, self.shard_numels)
-            ]
-        return self._views["columns"]
+        return self._padded_inputs
 
     def subset(self, params: list[ShardedParam]) -> "Bucket":
-        """The same layout for some of the parameters (the trainable ones)."""
-        numels = [n for p, n in zip(self.params, self.shard_numels) if p in params]
-        return Bucket(params, self.dtype, self.world, numels, sum(numels), self.post_forward)
+        """The same layout for some of the parameters (the trainable ones), made once per set."""
+        key = tuple(map(id, params))
+        if key not in self._subsets:
+            numels = [n for p, n in zip(self.params, self.shard_numels) if p in params]
+            self._subsets[key] = Bucket(params, self.dtype, self.world, numels, sum(numels), self.post_forward)
+        return self._subsets[key]
 
 
 def buckets(params: list[ShardedParam], key: str, world: int, post_forward: bool = False) -> list[Bucket]:
@@ -138,7 +143,7 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
     with comm.streams.side("all_gather"):
         send = _copy_in(bucket, bucket.inputs(), device)  # (per_rank,)
         if len(bucket.params) == 1 and bucket.by_rows:  # gather straight into the unsharded buffer
-            output = bucket.columns()[0].view(-1)
+            output = bucket.columns[0].view(-1)
         else:
             output = send.new_empty(world * bucket.per_rank)  # (world * per_rank,)
         work = _all_gather_single(output, send, group=comm.group, async_op=not cuda)
@@ -160,11 +165,7 @@ def _copy_in(bucket: Bucket, inputs: list[torch.Tensor], device: torch.device) -
     """The inputs end to end in the bucket's dtype on the compute device: a view of the one
     input, a ``torch.cat``, or, when a cast (mixed precision) or a host-to-device copy
     (offload) is due, one ``copy_`` per input into a fresh buffer."""
-    same = bucket._views.get("same") if not bucket.post_forward else None
-    if same is None:
-        same = all(x.dtype == bucket.dtype and x.device == device for x in inputs)
-        bucket._views["same"] = same
-    if same:
+    if not bucket.copy_in_converts:
         return inputs[0] if len(inputs) == 1 else torch.cat(inputs)
     send = torch.empty(bucket.per_rank, dtype=bucket.dtype, device=device)
     for piece, x in zip(send.split(bucket.shard_numels), inputs):
@@ -184,7 +185,7 @@ def _copy_out(bucket: Bucket, output: torch.Tensor, world: int) -> None:
         output.view(world, -1),  # (world, per_rank)
         bucket.shard_numels,
         dim=1,
-        out=bucket.columns(),  # each (world, shard_numel)
+        out=bucket.columns,  # each (world, shard_numel)
     )
 
 
