@@ -62,10 +62,10 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     of ranks; restores this rank's RNG state if the checkpoint has one for it. Returns
     ``{"step": ..., "extra": ..., "world_size": ...}`` as saved."""
     meta = read_marker(path)
-    rank, _ = _rank_world()
+    rank, world = _rank_world()
     state = _state(model, optimizer)
     rng_key = f"rng/rank{rank}"
-    if rng and meta.get("world_size") == _rank_world()[1]:
+    if rng and meta.get("world_size") == world:
         state[rng_key] = _rng_state()  # a same-shaped placeholder DCP loads into
     dcp.load(state, checkpoint_id=path)
     model_sd, optim_sd = state["model"], state.get("optim")
