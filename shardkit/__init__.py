@@ -8,6 +8,7 @@ Switch with one import line::
 from shardkit import checkpoint
 from shardkit.api import fully_shard
 from shardkit.comm.check import CollectiveMismatch, check_collectives
+from shardkit.comm import timeline
 from shardkit.comm.trace import Trace, trace
 from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -22,6 +23,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "trace",
     "Trace",
+    "timeline",
     "check_collectives",
     "CollectiveMismatch",
     "checkpoint",

@@ -90,12 +90,14 @@ class ParamGroup:
         for p in self.params:
             p.alloc_unsharded()
         streams = streams_for(self.params[0].device)
-        self._comm = Comm.of(self.mesh.get_group(self.mesh.ndim - 1), streams)
-        self._replicate_comm = Comm.of(self.mesh.get_group(0), streams) if self.mesh.ndim == 2 else None
+        self._comm = Comm.of(self.mesh, self.mesh.ndim - 1, streams)
+        self._replicate_comm = Comm.of(self.mesh, 0, streams) if self.mesh.ndim == 2 else None
         self._ag_buckets = collectives.buckets(self.params, "param_dtype", self.world)
         self._rs_buckets = collectives.buckets(self.params, "reduce_dtype", self.world)
         if self.post_forward_mesh is not None:
-            self._post_comm = Comm.of(self.post_forward_mesh.get_group(1), streams)
+            # reshard_after_forward=R: R consecutive ranks of the shard dimension, "dp/R" in the trace
+            post_name = f"{self._comm.mesh_dim}/{self.post_forward_mesh.size(1)}"
+            self._post_comm = Comm.of(self.post_forward_mesh, 1, streams, post_name)
             self._post_buckets = collectives.buckets(self.params, "param_dtype", self._post_comm.world, post_forward=True)
 
     def unshard(self) -> None:

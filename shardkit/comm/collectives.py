@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.comm import check, trace
 from shardkit.comm.streams import Streams
@@ -115,21 +116,27 @@ class Comm:
     rank: int  # this rank's index in ``group``
     streams: Streams
     reduce_by_all_reduce: bool  # gloo: all-reduce and keep our chunk (faster there)
+    mesh_dim: str  # the mesh dimension's name, for the trace
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, streams: Streams) -> "Comm":
+    def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None) -> "Comm":
+        group = mesh.get_group(dim)
         backend = str(dist.get_backend(group))
-        return cls(group, dist.get_world_size(group), dist.get_rank(group), streams, backend == "gloo")
+        if name is None:
+            name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), streams, backend == "gloo", name)
 
 
 # All-gather --------------------------------------------------------------------------------
 @dataclass
 class PendingAllGather:
     bucket: Bucket
+    name: str  # the group's FQN
     send: torch.Tensor | None  # (per_rank,) on CPU: alive until the work completes
     output: torch.Tensor | None  # (world * per_rank,) on CPU: copied out at finish
     work: dist.Work | None  # CPU: the process group's work handle
     event: torch.cuda.Event | None  # CUDA: the copy-out is done
+    traced: trace.Event | None = None  # while a trace records
 
 
 def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
@@ -138,25 +145,31 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
     for p in bucket.params:
         alloc_storage(p.unsharded_flat)  # on the compute stream (see the Note in streams.py)
     world, cuda = comm.world, comm.streams.is_cuda
-    trace.record("all_gather", name, dtype=bucket.dtype, numel=world * bucket.per_rank, world=world)
+    traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=world * bucket.per_rank, world=world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "all_gather", name, bucket.dtype, world * bucket.per_rank, world)
-    with comm.streams.side("all_gather"):
+    with comm.streams.side("all_gather"), trace.label("all_gather", name):
+        timing = comm.streams.start_timing(traced)
         send = _copy_in(bucket, bucket.inputs(), device)  # (per_rank,)
         if len(bucket.params) == 1 and bucket.by_rows:  # gather straight into the unsharded buffer
             output = bucket.columns[0].view(-1)
         else:
             output = send.new_empty(world * bucket.per_rank)  # (world * per_rank,)
         work = _all_gather_single(output, send, group=comm.group, async_op=not cuda)
+        trace.on_completion(traced, work)
         if cuda:
             _copy_out(bucket, output, world)
-            return PendingAllGather(bucket, None, None, None, comm.streams.done("all_gather"))
-    return PendingAllGather(bucket, send, output, work, None)
+            comm.streams.end_timing(timing, traced)
+            return PendingAllGather(bucket, name, None, None, None, comm.streams.done("all_gather"), traced)
+    return PendingAllGather(bucket, name, send, output, work, None, traced)
 
 
 def finish_all_gather(pending: PendingAllGather, comm: Comm) -> None:
     """Wait for the all-gather; afterwards the unsharded buffers hold the gathered data."""
+    trace.waiting(pending.traced)
     if pending.work is not None:
-        _wait(pending.work)
+        with trace.label("wait_all_gather", pending.name):
+            _wait(pending.work)
+        trace.done(pending.traced)
         _copy_out(pending.bucket, pending.output, comm.world)
     comm.streams.wait(pending.event)
 
@@ -217,6 +230,8 @@ class PendingReduceScatter:
     keep_partial: dict | None = None
     reduced: torch.Tensor | None = None  # (per_rank,): divided (on the side stream, CUDA)
     all_reduce_started: bool = False  # CPU: ``work`` is now the all-reduce over the replicas
+    traced: trace.Event | None = None  # the reduce-scatter, while a trace records
+    traced_all_reduce: trace.Event | None = None  # the all-reduce over the replicas
 
 
 def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, how: Reduction) -> PendingReduceScatter:
@@ -231,9 +246,11 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     params, world, cuda = bucket.params, comm.world, comm.streams.is_cuda
     pre, post = _divide_factors(how.divide_by, bucket.dtype)
     via = "via all_reduce" if comm.reduce_by_all_reduce else ""
-    trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=world * (bucket.per_rank + len(params)), world=world)
-    check.before(comm.group, "reduce_scatter", name, bucket.dtype, world * (bucket.per_rank + len(params)), world)
-    with comm.streams.side("reduce_scatter"):
+    numel = world * (bucket.per_rank + len(params))
+    traced = trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
+    check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
+    with comm.streams.side("reduce_scatter"), trace.label("reduce_scatter", name):
+        timing = comm.streams.start_timing(traced)
         missing = [i for i, g in enumerate(grads) if g is None]
         send = _reduce_scatter_input(bucket, grads, missing, world)  # (world, per_rank + n)
         if pre != 1:
@@ -244,15 +261,17 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         else:
             chunk = send.new_empty(bucket.per_rank + len(params))
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=not cuda)
+        trace.on_completion(traced, work)
         pending = PendingReduceScatter(
             bucket, grads if cuda else [], send, chunk, work, None, post, missing, comm.reduce_by_all_reduce,
-            name, how.replicate, how.partial, how.keep_partial,
+            name, how.replicate, how.partial, how.keep_partial, traced=traced,
         )
         if cuda:
+            comm.streams.end_timing(timing, traced)
             pending.work, pending.send = None, None  # done on the side stream
             pending.event = comm.streams.done("reduce_scatter")
     if cuda:  # the rest is enqueued now too, ordered after the reduce-scatter by an event
-        with comm.streams.side("all_reduce", after=pending.event):
+        with comm.streams.side("all_reduce", after=pending.event), trace.label("all_reduce", name):
             _start_all_reduce(pending, async_op=False)
             if pending.keep_partial is None:
                 pending.reduced = _divided(pending)
@@ -293,9 +312,14 @@ def _start_all_reduce(pending: PendingReduceScatter, async_op: bool) -> dist.Wor
     if replicate is None or pending.keep_partial is not None:
         return None
     chunk = pending.chunk
-    trace.record("all_reduce", pending.name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world)
+    traced = trace.record("all_reduce", pending.name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim)
+    pending.traced_all_reduce = traced
     check.before(replicate.group, "all_reduce", pending.name, chunk.dtype, chunk.numel(), replicate.world)
-    return dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=replicate.group, async_op=async_op)
+    timing = replicate.streams.start_timing(traced)
+    work = dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=replicate.group, async_op=async_op)
+    replicate.streams.end_timing(timing, traced)
+    trace.on_completion(traced, work)
+    return work
 
 
 def progress(pending: PendingReduceScatter) -> bool:
@@ -314,12 +338,14 @@ def progress(pending: PendingReduceScatter) -> bool:
 
 def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
     """Wait for the reduction and give each parameter its rows as (part of) ``.grad``."""
-    if pending.work is not None:  # CPU: the reduce-scatter, or the all-reduce progress() started
-        _wait(pending.work)
+    # CPU: the reduce-scatter (and then the all-reduce), or the all-reduce progress() started.
     if not pending.all_reduce_started:
-        work = _start_all_reduce(pending, async_op=True)
-        if work is not None:
-            _wait(work)
+        _wait_traced(pending.work, pending.traced, "reduce_scatter", pending.name)
+        pending.work = _start_all_reduce(pending, async_op=True)
+    _wait_traced(pending.work, pending.traced_all_reduce, "all_reduce", pending.name)
+    if pending.event is not None:  # CUDA
+        trace.waiting(pending.traced)
+        trace.waiting(pending.traced_all_reduce)
     comm.streams.wait(pending.event)
     bucket = pending.bucket
     if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
@@ -334,6 +360,16 @@ def finish_reduce_scatter(pending: PendingReduceScatter, comm: Comm) -> None:
         if counts is None or i not in pending.missing or counts[i] > 0:
             p.set_sharded_grad(p.local_grad(reduced[offset : offset + numel]))
         offset += numel
+
+
+def _wait_traced(work: dist.Work | None, traced: trace.Event | None, kind: str, name: str) -> None:
+    """Wait for ``work`` (if any), marking the traced collective's wait and completion."""
+    if work is None:
+        return
+    trace.waiting(traced)
+    with trace.label(f"wait_{kind}", name):
+        _wait(work)
+    trace.done(traced)
 
 
 def _wait(work: dist.Work) -> None:

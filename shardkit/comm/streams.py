@@ -72,6 +72,22 @@ class Streams:
         """An event on the ``kind`` side stream after everything enqueued there so far."""
         return self._side[kind].record_event() if self.is_cuda else None
 
+    def start_timing(self, traced) -> torch.cuda.Event | None:
+        """While a trace records (``traced``, its event): a timing event on the current side
+        stream, before the collective's work. CPU traces time the host wait instead."""
+        if traced is None or not self.is_cuda:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def end_timing(self, start: torch.cuda.Event | None, traced) -> None:
+        """The matching end event; the trace reads both once it ends (``Trace.resolve``)."""
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            traced.cuda_events = (start, end)
+
     def wait(self, event: torch.cuda.Event | None) -> None:
         """Make the compute stream wait for a side stream's event."""
         if event is not None:

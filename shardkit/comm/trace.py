@@ -2,31 +2,57 @@
 
 ``with shardkit.trace() as t: ...`` collects events from every shardkit group in this
 process; ``t.format()`` renders one line per event (stable enough to pin schedules with
-expecttest) and ``t.summary()`` counts calls and bytes per collective kind. With no trace
-active, recording costs one truthiness check.
+expecttest), ``t.format(times=True)`` adds when each happened, and ``t.summary()`` counts
+calls and bytes per collective kind. ``comm/timeline.py`` turns the traces of all ranks into
+one Perfetto timeline. With no trace active, recording costs one truthiness check.
+
+Times are ``time.perf_counter_ns()`` on the host. A collective has three: ``t`` when it was
+issued, ``wait_ns`` when a hook started waiting for it, and ``done_ns`` when it completed
+(CPU: the work's completion callback; CUDA: its side stream's timing events, read once the
+trace ends). ``done_ns - wait_ns``, when positive, is communication the compute did not hide.
+
+Setting ``SHARDKIT_TRACE=<folder>`` traces the whole run: each rank writes
+``rank<r>.txt`` and ``rank<r>.json`` there at exit, and
+``python -m shardkit timeline <folder>`` merges the ranks into ``timeline.json``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+MAX_EVENTS = 1_000_000  # per trace; later events are counted in ``Trace.dropped``, not kept
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Event:
     """One thing that happened: a phase change, an unshard/reshard, or a collective."""
 
     kind: str  # "phase", "unshard", "reshard", or one of COLLECTIVES
     group: str  # the group's module FQN ("" for the root module)
-    detail: str = ""  # "pre_forward: IDLE -> FORWARD" for phases
+    detail: str = ""  # "pre_forward: IDLE -> FORWARD" for phases; "via all_reduce", ...
     dtype: torch.dtype | None = None
     numel: int = 0  # elements of the whole (unsharded side) buffer of a collective
     world: int = 1  # ranks taking part in a collective
+    mesh_dim: str = ""  # the mesh dimension a collective runs over ("dp", "shard", "replicate", ...)
+    t: int = 0  # perf_counter_ns when it happened (a collective: when it was issued)
+    wait_ns: int = 0  # a collective: when a hook started waiting for it (0: not yet)
+    done_ns: int = 0  # a collective: when that wait returned (0: not yet)
+    cuda_events: tuple | None = None  # CUDA: (start, end) timing events, resolved by the trace
+
+    @property
+    def exposed_ns(self) -> int:
+        """How long a hook waited for this collective: the communication compute did not hide."""
+        return max(0, self.done_ns - self.wait_ns) if self.wait_ns and self.done_ns else 0
 
     @property
     def nbytes(self) -> int:
@@ -37,7 +63,8 @@ class Event:
         name = self.group or "<root>"
         if self.kind in COLLECTIVES:
             dtype = str(self.dtype).removeprefix("torch.")
-            return f"{self.kind} {name} {dtype} numel={self.numel} world={self.world}"
+            via = f" {self.detail}" if self.detail else ""
+            return f"{self.kind} {name} {dtype} numel={self.numel} world={self.world} mesh={self.mesh_dim}{via}"
         if self.detail:
             return f"{self.kind} {name} {self.detail}"
         return f"{self.kind} {name}"
@@ -49,20 +76,26 @@ class CollectiveStats:
     nbytes: int = 0  # unsharded-side buffer bytes, summed
     wire_nbytes: int = 0  # bytes each rank sends: (world - 1) / world of the buffer, twice that
     # for an all-reduce (and for a reduce-scatter done as one, "via all_reduce", on gloo)
+    exposed_ns: int = 0  # time hooks spent waiting for these collectives (not hidden by compute)
 
 
 class Trace:
-    """Events recorded while this trace was active, in order."""
+    """Events recorded while this trace was active, in order, on one rank."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.dropped = 0  # events past MAX_EVENTS
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # perf_counter is per machine; the wall clock lines ranks on several machines up.
+        self.start_ns = time.perf_counter_ns()
+        self.start_wall_ns = time.time_ns()
 
     def collectives(self, kind: str | None = None) -> list[Event]:
         wanted = (kind,) if kind else COLLECTIVES
         return [e for e in self.events if e.kind in wanted]
 
     def summary(self) -> dict[str, CollectiveStats]:
-        """Calls and bytes per collective kind (every kind present, zero if unused)."""
+        """Calls, bytes and exposed wait per collective kind (every kind present, zero if unused)."""
         stats = {kind: CollectiveStats() for kind in COLLECTIVES}
         for e in self.collectives():
             s = stats[e.kind]
@@ -70,30 +103,107 @@ class Trace:
             s.nbytes += e.nbytes
             passes = 2 if e.kind == "all_reduce" or e.detail == "via all_reduce" else 1
             s.wire_nbytes += passes * e.nbytes * (e.world - 1) // e.world
+            s.exposed_ns += e.exposed_ns
         return stats
 
-    def format(self, kinds: tuple[str, ...] | None = None) -> str:
-        """One line per event; ``kinds`` keeps only those kinds."""
-        return "\n".join(str(e) for e in self.events if kinds is None or e.kind in kinds)
+    def format(self, kinds: tuple[str, ...] | None = None, times: bool = False) -> str:
+        """One line per event; ``kinds`` keeps only those kinds. ``times=True`` starts each
+        line with milliseconds since the trace began and ends a collective's with how long
+        it was in flight and how much of that a hook waited."""
+        lines = []
+        for e in self.events:
+            if kinds is not None and e.kind not in kinds:
+                continue
+            if not times:
+                lines.append(str(e))
+                continue
+            line = f"{(e.t - self.start_ns) / 1e6:10.3f} ms  {e}"
+            if e.kind in COLLECTIVES and e.done_ns:
+                line += f"  (in flight {(e.done_ns - e.t) / 1e6:.3f} ms, waited {e.exposed_ns / 1e6:.3f} ms)"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def resolve(self) -> None:
+        """Turn CUDA timing events into host times (synchronizes the device once)."""
+        pending = [e for e in self.events if e.cuda_events is not None]
+        if not pending:
+            return
+        torch.cuda.synchronize()
+        for e in pending:
+            start, end = e.cuda_events
+            # ``start`` was recorded when the collective was issued, at host time ``e.t``;
+            # the side stream may have started it later: the elapsed time runs from there.
+            e.done_ns = max(e.done_ns, e.t + int(start.elapsed_time(end) * 1e6))
+            e.cuda_events = None
 
     def clear(self) -> None:
         self.events.clear()
+
+    def gather(self, group: dist.ProcessGroup | None = None) -> list["Trace"] | None:
+        """Every rank's trace on rank 0 of ``group`` (a collective: call it on every rank);
+        None elsewhere. For ``comm.timeline.write``."""
+        self.resolve()
+        if not dist.is_initialized():
+            return [self]
+        world = dist.get_world_size(group)
+        out = [None] * world if dist.get_rank(group) == 0 else None
+        dist.gather_object(self, out, dst=dist.get_global_rank(group, 0) if group else 0, group=group)
+        return out
+
+    def __getstate__(self) -> dict:
+        self.resolve()
+        return self.__dict__
 
 
 # The traces currently recording (a stack, so nested ``trace()`` blocks both see events).
 _active: list[Trace] = []
 
 
-def record(kind: str, group: str, detail: str = "", **collective) -> None:
-    """Append an event to every active trace; free when none is active."""
-    if _active:
-        event = Event(kind, group, detail, **collective)
-        for t in _active:
+def record(kind: str, group: str, detail: str = "", **collective) -> Event | None:
+    """Append an event to every active trace, and return it (None when none is active: then
+    recording is free)."""
+    if not _active:
+        return None
+    event = Event(kind, group, detail, t=time.perf_counter_ns(), **collective)
+    for t in _active:
+        if len(t.events) < MAX_EVENTS:
             t.events.append(event)
+        else:
+            t.dropped += 1
+    return event
 
 
 def is_recording() -> bool:
     return bool(_active)
+
+
+def waiting(event: Event | None) -> None:
+    """A hook starts waiting for the collective of ``event``."""
+    if event is not None:
+        event.wait_ns = time.perf_counter_ns()
+
+
+def done(event: Event | None) -> None:
+    """The collective of ``event`` has completed (the earliest report wins: a completion
+    callback, or the wait returning)."""
+    if event is not None:
+        now = time.perf_counter_ns()
+        event.done_ns = min(event.done_ns, now) if event.done_ns else now
+
+
+def on_completion(event: Event | None, work) -> None:
+    """CPU: note when the process group completes ``work`` (its future's callback runs on
+    the communication thread), so the timeline shows when data arrived, not when a hook
+    asked for it."""
+    if event is not None and work is not None:
+        work.get_future().add_done_callback(lambda _: done(event))
+
+
+def label(kind: str, name: str) -> contextlib.AbstractContextManager:
+    """A ``torch.profiler`` range ``shardkit::<kind> <group>`` while a profiler runs, else nothing."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"shardkit::{kind} {name or '<root>'}")
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -113,3 +223,26 @@ def trace() -> Iterator[Trace]:
         yield t
     finally:
         _active.remove(t)
+        t.resolve()
+
+
+def _trace_whole_run(folder: str) -> None:
+    """``SHARDKIT_TRACE=<folder>``: record from import to exit, then write this rank's files."""
+    t = Trace()
+    _active.append(t)
+
+    def write() -> None:
+        from shardkit.comm import timeline
+
+        t.resolve()
+        t.rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{t.rank}.txt").write_text(t.format(times=True) + "\n")
+        timeline.write([t], out / f"rank{t.rank}.json")
+
+    atexit.register(write)
+
+
+if os.environ.get("SHARDKIT_TRACE"):
+    _trace_whole_run(os.environ["SHARDKIT_TRACE"])

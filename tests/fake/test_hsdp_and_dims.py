@@ -46,17 +46,17 @@ def test_hsdp_2x4_placements_local_shapes_and_schedule():
         with shardkit.trace() as t:
             net(torch.randn(4, 6)).sum().backward()
     assert_expected_inline(t.format(kinds=("all_gather", "reduce_scatter", "all_reduce")), """\
-all_gather <root> float32 numel=128 world=4
-all_gather blocks.0 float32 numel=132 world=4
-all_gather blocks.1 float32 numel=132 world=4
-all_gather blocks.1 float32 numel=132 world=4
-all_gather blocks.0 float32 numel=132 world=4
-reduce_scatter blocks.1 float32 numel=140 world=4
-reduce_scatter blocks.0 float32 numel=140 world=4
-reduce_scatter <root> float32 numel=144 world=4
-all_reduce blocks.1 float32 numel=35 world=2
-all_reduce blocks.0 float32 numel=35 world=2
-all_reduce <root> float32 numel=36 world=2""")
+all_gather <root> float32 numel=128 world=4 mesh=shard
+all_gather blocks.0 float32 numel=132 world=4 mesh=shard
+all_gather blocks.1 float32 numel=132 world=4 mesh=shard
+all_gather blocks.1 float32 numel=132 world=4 mesh=shard
+all_gather blocks.0 float32 numel=132 world=4 mesh=shard
+reduce_scatter blocks.1 float32 numel=140 world=4 mesh=shard
+reduce_scatter blocks.0 float32 numel=140 world=4 mesh=shard
+reduce_scatter <root> float32 numel=144 world=4 mesh=shard
+all_reduce blocks.1 float32 numel=35 world=2 mesh=replicate
+all_reduce blocks.0 float32 numel=35 world=2 mesh=replicate
+all_reduce <root> float32 numel=36 world=2 mesh=replicate""")
 
 
 def test_hsdp_without_all_reduce_keeps_sums_until_it_is_back_on():

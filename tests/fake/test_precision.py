@@ -49,14 +49,14 @@ def test_bf16_params_fp32_reduce_gather_in_bf16_and_keep_fp32_shards_and_grads()
             assert isinstance(p, DTensor) and p.dtype == torch.float32 and p.to_local().dtype == torch.float32, name
             assert p.grad.dtype == torch.float32 and p.grad.to_local().dtype == torch.float32, name
     assert_expected_inline(collectives(t), """\
-all_gather <root> bfloat16 numel=408 world=8
-all_gather blocks.0 bfloat16 numel=272 world=8
-all_gather blocks.1 bfloat16 numel=272 world=8
-all_gather blocks.1 bfloat16 numel=272 world=8
-all_gather blocks.0 bfloat16 numel=272 world=8
-reduce_scatter blocks.1 float32 numel=288 world=8
-reduce_scatter blocks.0 float32 numel=288 world=8
-reduce_scatter <root> float32 numel=440 world=8""")
+all_gather <root> bfloat16 numel=408 world=8 mesh=dim0
+all_gather blocks.0 bfloat16 numel=272 world=8 mesh=dim0
+all_gather blocks.1 bfloat16 numel=272 world=8 mesh=dim0
+all_gather blocks.1 bfloat16 numel=272 world=8 mesh=dim0
+all_gather blocks.0 bfloat16 numel=272 world=8 mesh=dim0
+reduce_scatter blocks.1 float32 numel=288 world=8 mesh=dim0
+reduce_scatter blocks.0 float32 numel=288 world=8 mesh=dim0
+reduce_scatter <root> float32 numel=440 world=8 mesh=dim0""")
     # bf16 halves the all-gather bytes of the same schedule in fp32
     with fake_world(8, 3) as mesh:
         fp32 = step(sharded(mesh)).summary()["all_gather"].nbytes
@@ -108,10 +108,10 @@ def test_a_group_of_bf16_and_fp32_params_issues_one_collective_per_dtype():
         assert {n: p.grad.dtype for n, p in m.named_parameters()} == {
             "base.weight": BF16, "base.bias": BF16, "adapter.weight": torch.float32, "adapter.bias": torch.float32}
     assert_expected_inline(collectives(t), """\
-all_gather <root> bfloat16 numel=272 world=8
-all_gather <root> float32 numel=272 world=8
-reduce_scatter <root> bfloat16 numel=288 world=8
-reduce_scatter <root> float32 numel=288 world=8""")
+all_gather <root> bfloat16 numel=272 world=8 mesh=dim0
+all_gather <root> float32 numel=272 world=8 mesh=dim0
+reduce_scatter <root> bfloat16 numel=288 world=8 mesh=dim0
+reduce_scatter <root> float32 numel=288 world=8 mesh=dim0""")
 
 
 def test_mixed_group_with_param_dtype_gathers_once_and_frozen_params_are_not_reduced():
@@ -123,8 +123,8 @@ def test_mixed_group_with_param_dtype_gathers_once_and_frozen_params_are_not_red
         t = step(m)
         assert m.base.weight.grad is None and m.adapter.weight.grad.dtype == torch.float32
     assert_expected_inline(collectives(t), """\
-all_gather <root> bfloat16 numel=544 world=8
-reduce_scatter <root> float32 numel=288 world=8""")
+all_gather <root> bfloat16 numel=544 world=8 mesh=dim0
+reduce_scatter <root> float32 numel=288 world=8 mesh=dim0""")
 
 
 def test_cpu_offload_keeps_shards_and_grads_on_cpu():
@@ -148,20 +148,20 @@ def test_reshard_after_forward_2_at_world_8_gathers_backward_among_2_ranks():
         assert all(q.post_forward_shard is None for q in block._shardkit().group.params)  # freed after backward
         steps = [e for e in t.events if e.kind in ("all_gather", "reduce_scatter", "reshard") and e.group.startswith("blocks")]
     assert_expected_inline("\n".join(str(e) for e in steps), """\
-all_gather blocks.0 float32 numel=272 world=8
+all_gather blocks.0 float32 numel=272 world=8 mesh=dim0
 reshard blocks.0 (1/2 kept)
-all_gather blocks.1 float32 numel=272 world=8
+all_gather blocks.1 float32 numel=272 world=8 mesh=dim0
 reshard blocks.1 (1/2 kept)
-all_gather blocks.2 float32 numel=272 world=8
+all_gather blocks.2 float32 numel=272 world=8 mesh=dim0
 reshard blocks.2 (1/2 kept)
-all_gather blocks.2 float32 numel=272 world=2
-all_gather blocks.1 float32 numel=272 world=2
-reduce_scatter blocks.2 float32 numel=288 world=8
+all_gather blocks.2 float32 numel=272 world=2 mesh=dim0/2
+all_gather blocks.1 float32 numel=272 world=2 mesh=dim0/2
+reduce_scatter blocks.2 float32 numel=288 world=8 mesh=dim0
 reshard blocks.2
-all_gather blocks.0 float32 numel=272 world=2
-reduce_scatter blocks.1 float32 numel=288 world=8
+all_gather blocks.0 float32 numel=272 world=2 mesh=dim0/2
+reduce_scatter blocks.1 float32 numel=288 world=8 mesh=dim0
 reshard blocks.1
-reduce_scatter blocks.0 float32 numel=288 world=8
+reduce_scatter blocks.0 float32 numel=288 world=8 mesh=dim0
 reshard blocks.0""")
 
 

@@ -124,30 +124,30 @@ def test_schedule_of_three_blocks_is_pinned():
         net = sharded_net(mesh)
         t = step(net)
     assert_expected_inline(t.format(kinds=("all_gather", "reduce_scatter", "unshard", "reshard")), """\
-all_gather <root> float32 numel=140 world=2
+all_gather <root> float32 numel=140 world=2 mesh=dim0
 unshard <root>
-all_gather blocks.0 float32 numel=1148 world=2
+all_gather blocks.0 float32 numel=1148 world=2 mesh=dim0
 unshard blocks.0
 reshard blocks.0
-all_gather blocks.1 float32 numel=1148 world=2
+all_gather blocks.1 float32 numel=1148 world=2 mesh=dim0
 unshard blocks.1
 reshard blocks.1
-all_gather blocks.2 float32 numel=1148 world=2
+all_gather blocks.2 float32 numel=1148 world=2 mesh=dim0
 unshard blocks.2
 reshard blocks.2
-all_gather blocks.2 float32 numel=1148 world=2
+all_gather blocks.2 float32 numel=1148 world=2 mesh=dim0
 unshard blocks.2
-all_gather blocks.1 float32 numel=1148 world=2
-reduce_scatter blocks.2 float32 numel=1160 world=2
+all_gather blocks.1 float32 numel=1148 world=2 mesh=dim0
+reduce_scatter blocks.2 float32 numel=1160 world=2 mesh=dim0
 reshard blocks.2
 unshard blocks.1
-all_gather blocks.0 float32 numel=1148 world=2
-reduce_scatter blocks.1 float32 numel=1160 world=2
+all_gather blocks.0 float32 numel=1148 world=2 mesh=dim0
+reduce_scatter blocks.1 float32 numel=1160 world=2 mesh=dim0
 reshard blocks.1
 unshard blocks.0
-reduce_scatter blocks.0 float32 numel=1160 world=2
+reduce_scatter blocks.0 float32 numel=1160 world=2 mesh=dim0
 reshard blocks.0
-reduce_scatter <root> float32 numel=148 world=2
+reduce_scatter <root> float32 numel=148 world=2 mesh=dim0
 reshard <root>""")
 
 
