@@ -6,7 +6,9 @@ Every block is its own fully_shard group, and the root group holds the embedding
 LayerNorm and the tied head. Each rank keeps only its shard of every parameter, trains on its
 own random windows of demo/data/corpus.txt, and the gradients meet in one reduce-scatter per
 group. At the end rank 0 prints, per rank, the bytes of parameters it holds, the collectives
-per step, its peak memory, and whether the loss fell (the exit status says so too).
+per step, how long it waited on them, its peak memory, and whether the loss fell (the exit
+status says so too), and writes a timeline of the last steps of every rank (runs/timeline.json,
+open it at https://ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,10 +32,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import shardkit
-from shardkit.comm.trace import CollectiveStats
+from shardkit.comm.trace import CollectiveStats, Trace
 from shardkit.models import GPT, GPTConfig, apply_fully_shard
 
 DEFAULT_DATA = Path(__file__).parent / "data" / "corpus.txt"
+DEFAULT_TIMELINE = Path(__file__).parent.parent / "runs" / "timeline.json"
+TIMELINE_STEPS = 3  # the last steps kept for the timeline
 LOSS_WINDOW = 10  # steps averaged for the "first" and "last" loss
 MiB = 1024 * 1024
 
@@ -49,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a plain-text file")
+    parser.add_argument("--timeline", default=str(DEFAULT_TIMELINE),
+                        help=f"write the last {TIMELINE_STEPS} steps of every rank here as a Perfetto timeline (\"\": don't)")
     return parser.parse_args()
 
 
@@ -87,6 +94,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # this rank's loss per step
     seconds: float = 0.0
     collectives: dict[str, CollectiveStats] = field(default_factory=dict)  # summed over steps
+    trace: Trace | None = None  # the events of the last TIMELINE_STEPS steps
 
     @property
     def steps(self) -> int:
@@ -99,6 +107,7 @@ def add_stats(totals: dict, step_summary: dict) -> None:
         total.calls += stats.calls
         total.nbytes += stats.nbytes
         total.wire_nbytes += stats.wire_nbytes
+        total.exposed_ns += stats.exposed_ns
 
 
 def out_of_time(deadline: float | None, device: torch.device) -> bool:
@@ -119,6 +128,7 @@ def train(model: GPT, data: torch.Tensor, args: argparse.Namespace, progress: Pr
     result = TrainResult()
     start = time.perf_counter()
     deadline = start + args.max_seconds if args.max_seconds else None
+    recent: deque[list] = deque(maxlen=TIMELINE_STEPS)  # the events of the last steps, per step
     with shardkit.trace() as t:
         for _ in range(args.steps):
             x, y = get_batch(data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
@@ -127,7 +137,9 @@ def train(model: GPT, data: torch.Tensor, args: argparse.Namespace, progress: Pr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             result.losses.append(loss.item())
+            t.resolve()  # CUDA: when the step's collectives completed (a no-op on the CPU)
             add_stats(result.collectives, t.summary())
+            recent.append(list(t.events))
             t.clear()  # one step's events at a time: the trace stays small however long we train
             if progress:
                 rate = tokens_per_step * result.steps / (time.perf_counter() - start)
@@ -135,6 +147,8 @@ def train(model: GPT, data: torch.Tensor, args: argparse.Namespace, progress: Pr
             if out_of_time(deadline, data.device):
                 break
     result.seconds = time.perf_counter() - start
+    t.events = [e for events in recent for e in events]
+    result.trace = t
     return result
 
 
@@ -154,6 +168,7 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
         "sharded_mb": sharded_bytes / MiB,
         "all_gather": per_step.get("all_gather", (0, 0.0)),
         "reduce_scatter": per_step.get("reduce_scatter", (0, 0.0)),
+        "waited_ms": sum(s.exposed_ns for s in result.collectives.values()) / result.steps / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
         "loss_window": window,
         "first_loss": sum(result.losses[:window]) / window,
@@ -164,15 +179,16 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
 def print_report(console: Console, rows: list[dict], result: TrainResult, first: float, last: float) -> None:
     table = Table(title=f"shardkit: {result.steps} steps in {result.seconds:.1f} s",
                   caption="collective MiB: the unsharded-side buffer; each rank sends (world - 1) / world of it "
-                          "(twice that for the reduce-scatter on gloo, run as an all-reduce)")
-    for header in ["rank", "sharded\nparams", "all-gather\nper step", "reduce-scatter\nper step",
-                   "peak\nRSS", "first\nloss", "last\nloss"]:
+                          "(twice that for the reduce-scatter on gloo, run as an all-reduce); "
+                          "waited on comm: time a hook blocked on a collective that compute did not hide")
+    for header in ["rank", "sharded\nparams", "all-\ngather\nper step", "reduce-\nscatter\nper step",
+                   "waited on\ncomm\nper step", "peak\nRSS", "first\nloss", "last\nloss"]:
         table.add_column(header, justify="right")
     for row in rows:
         table.add_row(
             str(row["rank"]), f"{row['sharded_mb']:.2f} MiB",
             _calls_and_size(*row["all_gather"]), _calls_and_size(*row["reduce_scatter"]),
-            f"{row['peak_rss_mb']:.0f} MiB", f"{row['first_loss']:.3f}", f"{row['last_loss']:.3f}",
+            f"{row['waited_ms']:.1f} ms", f"{row['peak_rss_mb']:.0f} MiB", f"{row['first_loss']:.3f}", f"{row['last_loss']:.3f}",
         )
     console.print(table)
     verdict = "[green]the loss fell[/]" if last < first else "[red]the loss did NOT fall[/]"
@@ -218,7 +234,21 @@ def run(args: argparse.Namespace, device: torch.device) -> bool:
     if is_main:
         console.print(f"total parameters: {total_params:,}")
         print_report(console, rows, result, first, last)
+    if args.timeline:
+        write_timeline(console, result, Path(args.timeline))
     return last < first
+
+
+def write_timeline(console: Console, result: TrainResult, path: Path) -> None:
+    """Rank 0 writes every rank's trace of the last steps as one Perfetto timeline."""
+    traces = result.trace.gather()  # a collective: every rank sends its trace to rank 0
+    if traces is None:
+        return
+    shardkit.timeline.write(traces, path)
+    shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
+    steps = min(TIMELINE_STEPS, result.steps)
+    console.print(f"timeline of the last {steps} steps: {shown} (open at https://ui.perfetto.dev)",
+                  highlight=False, soft_wrap=True)  # one line: the path and the link stay whole
 
 
 def main() -> int:

@@ -234,6 +234,8 @@ def _trace_whole_run(folder: str) -> None:
     def write() -> None:
         from shardkit.comm import timeline
 
+        if not t.events:  # a process that ran no shardkit (``python -m shardkit timeline``, a
+            return  # launcher) would otherwise overwrite rank 0's files with an empty trace
         t.resolve()
         t.rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
         out = Path(folder)
