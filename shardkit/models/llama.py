@@ -23,6 +23,7 @@ class LlamaConfig:
     n_heads: int = 4
     hidden: int = 64  # SwiGLU width
     max_seq: int = 32
+    n_kv_heads: int | None = None  # grouped-query attention: fewer key/value heads (None: n_heads)
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +40,8 @@ def rotate(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x (B, T, H, D) by position."""
     t = torch.arange(x.shape[1], device=x.device, dtype=inv_freq.dtype)
     angles = torch.outer(t, inv_freq)  # (T, D/2)
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    # in x's dtype: under mixed precision the fp32 buffer must not promote q and k to fp32
+    cos, sin = (f(angles)[None, :, None, :].to(x.dtype) for f in (torch.cos, torch.sin))
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -48,7 +50,9 @@ class Attention(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = c.dim // c.n_heads
-        self.wq, self.wk, self.wv = (nn.Linear(c.dim, c.dim, bias=False) for _ in range(3))
+        kv_dim = (c.n_kv_heads or c.n_heads) * self.head_dim
+        self.wq = nn.Linear(c.dim, c.dim, bias=False)
+        self.wk, self.wv = nn.Linear(c.dim, kv_dim, bias=False), nn.Linear(c.dim, kv_dim, bias=False)
         self.wo = nn.Linear(c.dim, c.dim, bias=False)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim), persistent=False)
 
@@ -57,6 +61,8 @@ class Attention(nn.Module):
         # -1 heads: all of them, or this rank's share under tensor parallel
         q, k, v = (w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = rotate(q, self.inv_freq), rotate(k, self.inv_freq)
+        if k.shape[2] != q.shape[2]:  # grouped-query attention: each key/value head serves several query heads
+            k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
