@@ -77,6 +77,9 @@ class Streams:
         stream, before the collective's work. CPU traces time the host wait instead."""
         if traced is None or not self.is_cuda:
             return None
+        from shardkit.comm import trace
+
+        trace.cuda_reference()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         return start

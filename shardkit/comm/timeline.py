@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from shardkit.comm.trace import COLLECTIVES, Event, Trace
@@ -41,16 +42,17 @@ def chrome_events(traces: list[Trace], origin: int | None = None) -> list[dict]:
     origin = origin_ns(traces) if origin is None else origin
     events: list[dict] = []
     for t in traces:
-        lanes = _Lanes(t.rank, events)
+        pid = t.rank or 0  # None: a trace without torch.distributed
+        lanes = _Lanes(pid, events)
         us = lambda ns: (_wall(t, ns) - origin) / 1000  # noqa: E731
-        events.append(_meta("process_name", t.rank, None, f"rank {t.rank}"))
-        events.append({"ph": "M", "name": "process_sort_index", "pid": t.rank, "args": {"sort_index": t.rank}})
+        events.append(_meta("process_name", pid, None, f"rank {pid}"))
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
         lanes.tid(COMPUTE)
         open_spans: dict[tuple[str, str], int] = {}  # (group, "forward"/"backward") -> start ns
         for e in t.events:
             if e.kind == "phase":
                 _phase(e, open_spans, lambda name, start, end, g: events.append(
-                    _slice(name, "phase", t.rank, lanes.tid(COMPUTE), us(start), us(end), {"group": g or "<root>"})))
+                    _slice(name, "phase", pid, lanes.tid(COMPUTE), us(start), us(end), {"group": g or "<root>"})))
             elif e.kind in COLLECTIVES and e.done_ns:
                 args = {
                     "group": e.group or "<root>", "dtype": str(e.dtype).removeprefix("torch."),
@@ -60,9 +62,9 @@ def chrome_events(traces: list[Trace], origin: int | None = None) -> list[dict]:
                 if e.detail:
                     args["note"] = e.detail
                 tid = lanes.collective(e.kind, e.t, e.done_ns)
-                events.append(_slice(f"{e.kind} {e.group or '<root>'}", e.kind, t.rank, tid, us(e.t), us(e.done_ns), args))
+                events.append(_slice(f"{e.kind} {e.group or '<root>'}", e.kind, pid, tid, us(e.t), us(e.done_ns), args))
                 if e.exposed_ns:
-                    events.append(_slice(f"wait {e.kind} {e.group or '<root>'}", "wait", t.rank,
+                    events.append(_slice(f"wait {e.kind} {e.group or '<root>'}", "wait", pid,
                                          lanes.tid(COMPUTE), us(e.wait_ns), us(e.done_ns), args))
     return events
 
@@ -77,7 +79,8 @@ def merge(folder: str | Path, out: str | Path | None = None) -> Path:
     """Merge the per-rank ``rank<r>.json`` files a ``SHARDKIT_TRACE=<folder>`` run wrote into
     one timeline (``<folder>/timeline.json`` unless ``out`` says otherwise)."""
     folder = Path(folder)
-    files = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem.removeprefix("rank")))
+    files = sorted((p for p in folder.glob("rank*.json") if re.fullmatch(r"rank\d+", p.stem)),
+                   key=lambda p: int(p.stem.removeprefix("rank")))
     if not files:
         raise FileNotFoundError(f"shardkit: no rank<r>.json files in {folder}; was the run started with SHARDKIT_TRACE={folder}?")
     ranks = [json.loads(f.read_text()) for f in files]

@@ -85,7 +85,8 @@ class Trace:
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.dropped = 0  # events past MAX_EVENTS
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank: int | None = dist.get_rank() if dist.is_initialized() else None  # else at the first event
+        self.cuda_reference: tuple | None = None  # (event, host ns) recorded together, for ``resolve``
         # perf_counter is per machine; the wall clock lines ranks on several machines up.
         self.start_ns = time.perf_counter_ns()
         self.start_wall_ns = time.time_ns()
@@ -129,11 +130,11 @@ class Trace:
         if not pending:
             return
         torch.cuda.synchronize()
+        reference, host_ns = self.cuda_reference
         for e in pending:
-            start, end = e.cuda_events
-            # ``start`` was recorded when the collective was issued, at host time ``e.t``;
-            # the side stream may have started it later: the elapsed time runs from there.
-            e.done_ns = max(e.done_ns, e.t + int(start.elapsed_time(end) * 1e6))
+            # The device runs behind the host: completion is timed against an event recorded
+            # while both were idle together, not against the host's issue time.
+            e.done_ns = host_ns + int(reference.elapsed_time(e.cuda_events[1]) * 1e6)
             e.cuda_events = None
 
     def clear(self) -> None:
@@ -166,6 +167,8 @@ def record(kind: str, group: str, detail: str = "", **collective) -> Event | Non
         return None
     event = Event(kind, group, detail, t=time.perf_counter_ns(), **collective)
     for t in _active:
+        if t.rank is None and dist.is_initialized():
+            t.rank = dist.get_rank()
         if len(t.events) < MAX_EVENTS:
             t.events.append(event)
         else:
@@ -197,6 +200,18 @@ def on_completion(event: Event | None, work) -> None:
     asked for it."""
     if event is not None and work is not None:
         work.get_future().add_done_callback(lambda _: done(event))
+
+
+def cuda_reference() -> None:
+    """Give every active trace a timing event recorded when the device has caught up with
+    the host (one synchronize per trace), before its first CUDA collective is timed."""
+    for t in _active:
+        if t.cuda_reference is None:
+            torch.cuda.synchronize()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            event.synchronize()
+            t.cuda_reference = (event, time.perf_counter_ns())
 
 
 def label(kind: str, name: str) -> contextlib.AbstractContextManager:
@@ -237,7 +252,8 @@ def _trace_whole_run(folder: str) -> None:
         if not t.events:  # a process that ran no shardkit (``python -m shardkit timeline``, a
             return  # launcher) would otherwise overwrite rank 0's files with an empty trace
         t.resolve()
-        t.rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
+        if t.rank is None:  # no collective ran after init_process_group
+            t.rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{t.rank}.txt").write_text(t.format(times=True) + "\n")
