@@ -50,6 +50,7 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=1, help="all-gathers issued ahead (the runtime's default: 1)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-nomomentum"])
     p.add_argument("--foreach", action="store_true", help="the optimizer's multi-tensor path (the CUDA default)")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing per block (recomputed in backward)")
     p.add_argument("--bandwidth", type=float, default=50.0, help="GB/s per rank, for the communication time")
     p.add_argument("--budget-gib", type=float, default=None, help="fit this memory per rank: pick reshard_after_forward and prefetch")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -77,7 +78,7 @@ def _plan(args: argparse.Namespace) -> int:
         model, shape, mesh_dim_names=names, batch_size=args.batch_size, seq_len=args.seq_len,
         param_dtype=dtype(args.param_dtype), reduce_dtype=dtype(args.reduce_dtype),
         reshard_after_forward=raf if raf is not None else int(args.reshard_after_forward),
-        prefetch=args.prefetch, optimizer=args.optimizer, foreach=args.foreach, bandwidth_gbps=args.bandwidth,
+        prefetch=args.prefetch, optimizer=args.optimizer, foreach=args.foreach, activation_checkpointing=args.ac, bandwidth_gbps=args.bandwidth,
         budget=int(args.budget_gib * 1024**3) if args.budget_gib else None, **sizes,
     )
     if args.json:

@@ -91,6 +91,7 @@ def plan(
     prefetch: int = 1,
     optimizer: str = "adamw",
     foreach: bool = False,
+    activation_checkpointing: bool = False,
     bandwidth_gbps: float = 50.0,
     budget: int | None = None,
     **model_sizes,
@@ -104,7 +105,8 @@ def plan(
     returns the forward's positional inputs (built-ins: token ids and, for the GPT, targets);
     ``loss_fn(output, inputs)`` the loss (default: the output's scalar, else cross-entropy
     against ``inputs[-1]``... see ``_default_loss``). ``foreach``: the optimizer's
-    multi-tensor path (the CUDA default). ``budget``: bytes per rank to fit into, see
+    multi-tensor path (the CUDA default). ``activation_checkpointing``: each block's forward
+    runs under ``torch.utils.checkpoint`` (non-reentrant) and is recomputed in backward. ``budget``: bytes per rank to fit into, see
     ``fit_budget``.
 
     Example::
@@ -143,6 +145,10 @@ def plan(
         raf = _normalize_raf(reshard_after_forward, world)
         for g in groups:
             g.reshard_after_forward = raf if g.name else None
+        if activation_checkpointing:
+            for g in groups:
+                if g.name:
+                    _checkpoint(g.module)
         prof = _profile(model, groups, family, batch_size, seq_len, inputs_fn, loss_fn, param_dtype)
     result = Plan(shape, names, groups, prefetch, sim.simulate(groups, prof, prefetch, optimizer, foreach),
                   {}, bandwidth_gbps, total_params)
@@ -271,6 +277,14 @@ def _profile(model, groups, family, batch_size, seq_len, inputs_fn, loss_fn, par
     modules.setdefault("", model)
     owners = {p.fqn: g.name for g in groups for p in g.params}
     return pp.run(model, modules, owners, lambda: inputs_fn(batch_size, seq), loss_fn)
+
+
+def _checkpoint(module: nn.Module) -> None:
+    """Run ``module``'s forward under non-reentrant activation checkpointing (its hooks stay outside)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+    module.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:

@@ -59,6 +59,11 @@ class _LiveBytes(TorchDispatchMode):
         self.curve.append(self.live)
         return out
 
+    def ignore(self, tensors) -> None:
+        """Storages not to count (parameters and buffers: the schedule owns those)."""
+        self._ignored = [t.untyped_storage() for t in tensors]  # kept alive: their ids stay theirs
+        self.seen.update(id(st) for st in self._ignored)
+
     def _count(self, storage) -> None:
         key = id(storage)
         if key in self.seen:
@@ -92,6 +97,7 @@ def run(model: nn.Module, groups: dict[str, nn.Module], params: dict[str, str], 
     """One training step of ``model`` (fake tensors) under the counter. ``groups`` maps group
     names to modules ("" the root), ``params`` parameter FQNs to their group."""
     prof, counter = Profile(), _LiveBytes()
+    counter.ignore([*model.parameters(), *model.buffers()])
     now = lambda: len(counter.curve)  # noqa: E731
     handles = []
     for name, module in groups.items():

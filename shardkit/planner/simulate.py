@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from shardkit.planner.model import GroupInfo, ParamInfo
 from shardkit.planner.profile import Profile
 from shardkit.root import MAX_REDUCING
@@ -74,7 +76,7 @@ def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str,
     params, grads, optim = persistent_state(groups, optimizer, rank)
     mem = Memory(params, grads, optim)
     n = max(prof.end, 1)
-    lines = {kind: [0] * (n + 1) for kind in KINDS}  # difference arrays over op indices
+    lines = {kind: torch.zeros(n + 1, dtype=torch.int64) for kind in KINDS}  # difference arrays over op indices
 
     def hold(kind: str, start: int, end: int, nbytes: int) -> None:
         start, end = max(0, min(start, n)), max(0, min(end, n))
@@ -117,17 +119,14 @@ def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str,
             hold("gradient buffers", issued, finished, send)
             hold("sharded gradients", finished, n + 1, _sharded_grad_bytes(ps, rank))
 
-    level = {kind: 0 for kind in KINDS}
-    for k in range(n):
-        for kind in KINDS:
-            level[kind] += lines[kind][k]
-            mem.max_of[kind] = max(mem.max_of.get(kind, 0), level[kind])
-        compute = prof.curve[k] if k < len(prof.curve) else 0
-        mem.max_of["activations and temporaries"] = max(mem.max_of.get("activations and temporaries", 0), compute)
-        total = params + optim + compute + sum(level.values())
-        if total > mem.peak:
-            mem.peak, mem.peak_at = total, _where(prof, order, k)
-            mem.at_peak = {"parameters": params, "optimizer state": optim, **level, "activations and temporaries": compute}
+    levels = {kind: line.cumsum(0)[:n] for kind, line in lines.items()}  # bytes held at each op
+    compute = torch.tensor(prof.curve[:n] + [0] * (n - len(prof.curve[:n])), dtype=torch.int64)
+    total = params + optim + compute + sum(levels.values())
+    k = int(total.argmax())
+    mem.peak, mem.peak_at = int(total[k]), _where(prof, order, k)
+    mem.at_peak = {"parameters": params, "optimizer state": optim, **{kind: int(lv[k]) for kind, lv in levels.items()},
+                   "activations and temporaries": int(compute[k])}
+    mem.max_of = {**{kind: int(lv.max()) for kind, lv in levels.items()}, "activations and temporaries": int(compute.max())}
     step = mem.persistent + optimizer_step_temporaries(groups, optimizer, foreach, rank)
     if step > mem.peak:
         mem.peak, mem.peak_at = step, "optimizer step"
