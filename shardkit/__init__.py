@@ -10,6 +10,7 @@ from shardkit.api import fully_shard
 from shardkit.comm.check import CollectiveMismatch, check_collectives
 from shardkit.comm import timeline
 from shardkit.comm.trace import Trace, trace
+from shardkit.memtrack import MemTracker
 from shardkit.planner import Plan, apply_plan, plan
 from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -29,6 +30,7 @@ __all__ = [
     "CollectiveMismatch",
     "checkpoint",
     "plan",
+    "MemTracker",
     "Plan",
     "apply_plan",
 ]

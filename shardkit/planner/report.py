@@ -27,6 +27,7 @@ def table(p) -> Table:
     t.add_row("sharded parameters", size(m.params))
     t.add_row("sharded gradients", size(m.grads))
     t.add_row("optimizer state", size(m.optimizer))
+    t.add_row("grad-presence columns", size(m.bookkeeping))
     t.add_row("[bold]persistent[/]", f"[bold]{size(m.persistent)}[/]")
     t.add_row("max unsharded parameters", size(m.max_of.get("unsharded parameters", 0)))
     t.add_row("max gradient buffers (unsharded grads + reduce-scatter inputs)", size(m.max_of.get("gradient buffers", 0)))
@@ -68,7 +69,7 @@ def to_json(p) -> dict:
         "total_params": p.total_params,
         "prefetch": p.prefetch,
         "memory_bytes": {
-            "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "persistent": m.persistent,
+            "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "bookkeeping": m.bookkeeping, "persistent": m.persistent,
             "peak": m.peak, "peak_at": m.peak_at, "at_peak": m.at_peak, "max_of": m.max_of,
         },
         "comm_per_step": {k: {"calls": s.calls, "bytes": s.nbytes, "wire_bytes": s.wire_bytes} for k, s in p.comm.items()},

@@ -37,6 +37,7 @@ class Memory:
     params: int  # sharded parameters (padded shards)
     grads: int  # sharded gradients
     optimizer: int  # optimizer state
+    bookkeeping: int = 0  # the reduce-scatters' grad-presence columns: one element per parameter, kept
     peak: int = 0
     peak_at: str = ""  # "forward blocks.3", "backward <root>", "optimizer step"
     at_peak: dict[str, int] = field(default_factory=dict)  # what the peak is made of
@@ -44,8 +45,8 @@ class Memory:
 
     @property
     def persistent(self) -> int:
-        """What lives from step to step: parameters, gradients and optimizer state."""
-        return self.params + self.grads + self.optimizer
+        """What lives from step to step: parameters, gradients, optimizer state (and bookkeeping)."""
+        return self.params + self.grads + self.optimizer + self.bookkeeping
 
 
 def persistent_state(groups: list[GroupInfo], optimizer: str, rank: int = 0) -> tuple[int, int, int]:
@@ -74,7 +75,8 @@ def optimizer_step_temporaries(groups: list[GroupInfo], optimizer: str, foreach:
 
 def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str, foreach: bool, rank: int = 0) -> Memory:
     params, grads, optim = persistent_state(groups, optimizer, rank)
-    mem = Memory(params, grads, optim)
+    presence = sum(len(ps) * ps[0].reduce_dtype.itemsize for g in groups for ps in _trainable_buckets(g))
+    mem = Memory(params, grads, optim, presence)
     n = max(prof.end, 1)
     lines = {kind: torch.zeros(n + 1, dtype=torch.int64) for kind in KINDS}  # difference arrays over op indices
 
@@ -121,16 +123,16 @@ def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str,
 
     levels = {kind: line.cumsum(0)[:n] for kind, line in lines.items()}  # bytes held at each op
     compute = torch.tensor(prof.curve[:n] + [0] * (n - len(prof.curve[:n])), dtype=torch.int64)
-    total = params + optim + compute + sum(levels.values())
+    total = params + optim + presence + compute + sum(levels.values())  # presence: made at the first backward, kept
     k = int(total.argmax())
     mem.peak, mem.peak_at = int(total[k]), _where(prof, order, k)
-    mem.at_peak = {"parameters": params, "optimizer state": optim, **{kind: int(lv[k]) for kind, lv in levels.items()},
+    mem.at_peak = {"parameters": params, "optimizer state": optim, "bookkeeping": presence, **{kind: int(lv[k]) for kind, lv in levels.items()},
                    "activations and temporaries": int(compute[k])}
     mem.max_of = {**{kind: int(lv.max()) for kind, lv in levels.items()}, "activations and temporaries": int(compute.max())}
     step = mem.persistent + optimizer_step_temporaries(groups, optimizer, foreach, rank)
     if step > mem.peak:
         mem.peak, mem.peak_at = step, "optimizer step"
-        mem.at_peak = {"parameters": params, "optimizer state": optim, "sharded gradients": grads,
+        mem.at_peak = {"parameters": params, "optimizer state": optim, "bookkeeping": presence, "sharded gradients": grads,
                        "optimizer temporaries": step - mem.persistent}
     return mem
 

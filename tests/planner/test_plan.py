@@ -172,14 +172,16 @@ def test_printed_plan():
 | sharded parameters                                       |                                 252 B |
 | sharded gradients                                        |                                 252 B |
 | optimizer state                                          |                                 536 B |
-| persistent                                               |                              1.02 KiB |
+| grad-presence columns                                    |                                  32 B |
+| persistent                                               |                              1.05 KiB |
 | max unsharded parameters                                 |                                1008 B |
 | max gradient buffers (unsharded grads + reduce-scatter   |                                 708 B |
 | inputs)                                                  |                                       |
 | max activations and temporaries                          |                                 936 B |
-| peak (in backward <root>)                                |                              3.05 KiB |
+| peak (in backward <root>)                                |                              3.09 KiB |
 |   at the peak: parameters                                |                                 252 B |
 |   at the peak: optimizer state                           |                                 536 B |
+|   at the peak: bookkeeping                               |                                  32 B |
 |   at the peak: unsharded parameters                      |                                1008 B |
 |   at the peak: gradient buffers                          |                                  36 B |
 |   at the peak: all-gather buffers                        |                                 360 B |
