@@ -126,13 +126,13 @@ def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str,
     total = params + optim + presence + compute + sum(levels.values())  # presence: made at the first backward, kept
     k = int(total.argmax())
     mem.peak, mem.peak_at = int(total[k]), _where(prof, order, k)
-    mem.at_peak = {"parameters": params, "optimizer state": optim, "bookkeeping": presence, **{kind: int(lv[k]) for kind, lv in levels.items()},
+    mem.at_peak = {"parameters": params, "optimizer state": optim, "grad-presence columns": presence, **{kind: int(lv[k]) for kind, lv in levels.items()},
                    "activations and temporaries": int(compute[k])}
     mem.max_of = {**{kind: int(lv.max()) for kind, lv in levels.items()}, "activations and temporaries": int(compute.max())}
     step = mem.persistent + optimizer_step_temporaries(groups, optimizer, foreach, rank)
     if step > mem.peak:
         mem.peak, mem.peak_at = step, "optimizer step"
-        mem.at_peak = {"parameters": params, "optimizer state": optim, "bookkeeping": presence, "sharded gradients": grads,
+        mem.at_peak = {"parameters": params, "optimizer state": optim, "grad-presence columns": presence, "sharded gradients": grads,
                        "optimizer temporaries": step - mem.persistent}
     return mem
 
