@@ -181,7 +181,7 @@ def test_printed_plan():
 | peak (in backward <root>)                                |                              3.09 KiB |
 |   at the peak: parameters                                |                                 252 B |
 |   at the peak: optimizer state                           |                                 536 B |
-|   at the peak: bookkeeping                               |                                  32 B |
+|   at the peak: grad-presence columns                     |                                  32 B |
 |   at the peak: unsharded parameters                      |                                1008 B |
 |   at the peak: gradient buffers                          |                                  36 B |
 |   at the peak: all-gather buffers                        |                                 360 B |
