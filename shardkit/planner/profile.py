@@ -124,14 +124,13 @@ def _mark_group(module: nn.Module, name: str, prof: Profile, now) -> list:
 
     def pre(mod, args, kwargs):
         prof.forward.setdefault(name, (now(), -1))
-        flat = [x for x in tree_flatten((args, kwargs))[0]]
+        flat, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not where:
             return None
         outs = _Mark.apply(lambda: _end_backward(name, prof, now), *(flat[i] for i in where))
         for i, out in zip(where, outs):
             flat[i] = out
-        _, spec = tree_flatten((args, kwargs))
         return torch.utils._pytree.tree_unflatten(flat, spec)
 
     def post(mod, args, output):

@@ -19,6 +19,7 @@ step adds its own temporaries to the persistent state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -110,7 +111,7 @@ def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str,
                 hold("unsharded parameters", f_end, b_start, sum(p.post_forward_numel(raf) * p.param_dtype.itemsize for p in g.params))
         for p in g.params:
             if p.fqn in prof.grad_arrival:
-                hold("gradient buffers", prof.grad_arrival[p.fqn], b_end, _numel(p) * p.param_dtype.itemsize)
+                hold("gradient buffers", prof.grad_arrival[p.fqn], b_end, math.prod(p.shape) * p.param_dtype.itemsize)
 
     reductions = sorted(order, key=lambda g: bwd[g][1])  # in the order they are issued
     for i, name in enumerate(reductions):
@@ -161,13 +162,6 @@ def _reshards(g: GroupInfo) -> bool:
 def _end(prof: Profile, name: str) -> int:
     start, end = prof.backward.get(name, (0, -1))
     return end if end >= 0 else prof.end  # the root's inputs need no grad: it ends with the backward
-
-
-def _numel(p: ParamInfo) -> int:
-    out = 1
-    for s in p.shape:
-        out *= s
-    return out
 
 
 def _all_gather_buffers(g: GroupInfo, ranks: int) -> int:
