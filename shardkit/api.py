@@ -12,11 +12,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardkit import hooks
 from shardkit.dtensor.sharded_param import ParamOptions, ParamSlot, ShardedParam
-from shardkit.hooks import GroupState, class_name, state_of
 from shardkit.module import FSDPModule
+from shardkit.options import GroupOptions
 from shardkit.param_group import ParamGroup
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from shardkit.state import GroupState, class_name, state_of
 
 _fsdp_classes: dict[type, type] = {}  # original class -> its FSDP subclass, made once
 
@@ -80,8 +82,9 @@ def fully_shard(
             f"reshard_after_forward={reshard_after_forward_arg} (an int) with parameters sharded on a dim "
             "other than 0 is not supported; pass True, or shard those parameters on dim 0."
         )
-    group = ParamGroup(params, mesh, post_forward_mesh) if params else None
-    state = GroupState(modules, group, reshard_after_forward, device, mp_policy)
+    options = GroupOptions(reshard_after_forward)
+    group = ParamGroup(params, mesh, options, post_forward_mesh) if params else None
+    state = GroupState(modules, group, options, mp_policy, device)
     _install(state, dict(zip(slots, params)), borrowed, nested)
     return module
 
@@ -97,7 +100,8 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     own = [(slot, p) for p in sharded.values() for slot in p.slots]
     _accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
     for inner in nested:
-        inner.parent = state
+        inner.links.parent = state
+    hooks.install(state)
     for m in state.modules:
         m.__dict__["_shardkit_state"] = state
         m.__class__ = _fsdp_class(type(m))
@@ -250,14 +254,14 @@ def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> tuple[
 def _borrow(state: GroupState, owner: GroupState, p: ShardedParam, more_slots: list[ParamSlot]) -> None:
     """A weight tied across groups stays in its owner's group; ``state`` registers the same
     parameter in its own slots and unshards the owner's group around its own forward and
-    backward. The owner reduces after both have passed backward (see hooks.py, "Tied")."""
+    backward. The owner reduces after both have passed backward (see schedule.py, "Tied")."""
     p.slots.extend(more_slots)
     current = p.unsharded_param if owner.group is not None and owner.group.is_unsharded else p.sharded_param
     for slot in more_slots:
         slot.module._parameters[slot.name] = current
-    if owner not in state.borrowed:
-        state.borrowed.append(owner)
-        owner.borrowers.append(state)
+    if owner not in state.links.borrowed:
+        state.links.borrowed.append(owner)
+        owner.links.borrowers.append(state)
 
 
 def _accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:

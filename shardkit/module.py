@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from shardkit.hooks import GroupState, state_of
+from shardkit import hooks, root
+from shardkit.state import GroupState, is_root, state_of
 
 
 class FSDPModule:
@@ -47,29 +48,28 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False`` accumulates unreduced gradients locally (no communication) until set back."""
-        for group in _groups(self, recurse):
-            group.reduce_grads = requires_gradient_sync
+        for state in _states(self, recurse):
+            state.options.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: ``False`` reduce-scatters within the replica but skips the all-reduce
         across replicas, keeping the sums until a backward with it on (gradient accumulation
         that talks across nodes once). A no-op for 1-D meshes."""
-        for group in _groups(self, recurse):
-            group.all_reduce_grads = requires_all_reduce
+        for state in _states(self, recurse):
+            state.options.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
-        for module in _fsdp_modules(self, recurse):
-            state = module._shardkit()
-            state.reshard_after_forward = state.reshard_after_forward_arg = reshard_after_forward
+        for state in _states(self, recurse):
+            state.options.reshard_after_forward = reshard_after_forward
             if state.group is not None:  # a bool replaces an int: reshard to the whole mesh or not at all
-                state.group.post_forward_mesh = None
+                state.group.drop_post_forward_mesh()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward does not all-gather this module's parameters again (for modules
         whose backward needs no parameter values, e.g. an embedding). Not recursive."""
-        self._shardkit().unshard_in_backward = unshard_in_backward
+        self._shardkit().options.unshard_in_backward = unshard_in_backward
 
     def set_lockstep(self, enabled: bool = True) -> None:
         """For models that run some ``fully_shard`` modules on some ranks only (rank-dependent
@@ -78,35 +78,32 @@ class FSDPModule:
         blocking all-gather per collective and turns prefetching off. Call on the root.
         See shardkit/lockstep.py."""
         state = self._shardkit()
-        if state.is_root is False:
+        if is_root(state) is False:
             raise RuntimeError("set_lockstep must be called on the root FSDP module")
-        state.set_lockstep(enabled)
+        root.set_lockstep(state.root, enabled)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for group in _groups(self, recurse):
-            group.reshard_after_backward = reshard_after_backward
+        for state in _states(self, recurse):
+            state.options.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward ends the step (for microbatching)."""
-        state = self._shardkit()
-        if state.ctx is not None:
-            state.ctx.is_last_backward = is_last_backward
+        """Whether the next backward is the last one of the step (for microbatching): only the
+        last one forgets the forward order that backward prefetching follows. Call on the root."""
+        self._shardkit().root.options.is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """After this module's all-gather in forward, issue those modules' all-gathers."""
-        self._shardkit().forward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "forward")]
+        self._shardkit().options.forward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "forward")]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """After this module's all-gather in backward, issue those modules' all-gathers."""
-        self._shardkit().backward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "backward")]
+        self._shardkit().options.backward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "backward")]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
-        group = self._shardkit().group
-        if group is not None:
-            group.gradient_divide_factor = factor
+        self._shardkit().options.gradient_divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated FSDP2 name of ``set_gradient_divide_factor``."""
@@ -116,8 +113,10 @@ class FSDPModule:
         """Accepted for FSDP2 compatibility: shardkit always reduces with SUM and divides after."""
 
     def set_post_optim_event(self, event: Any) -> None:
-        """Accepted for FSDP2 compatibility: collectives run on the current stream, which is
-        already ordered after the optimizer step."""
+        """The next forward's all-gathers wait for ``event`` (recorded after the optimizer
+        step), which is then dropped: set a new one each step. shardkit's all-gathers also wait
+        for the compute stream, which the optimizer step ran on, so this adds no overlap."""
+        self._shardkit().root.options.post_optim_event = event
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted for FSDP2 compatibility: shardkit always reduces unused parameters with
@@ -127,9 +126,12 @@ class FSDPModule:
         """After an exception inside forward or backward: reshard everything and return every
         group to IDLE; the failed step's gradients are dropped. Call on the root."""
         state = self._shardkit()
-        if state.is_root is False:
+        if is_root(state) is False:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
-        state.reset_iter_state()
+        if state.schedule is not None:
+            state.schedule.reset()
+        elif state.group is not None:  # before the first forward: nothing but an unshard to undo
+            state.group.reshard()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # .to()/.to_empty()/.cuda() replace the data of our sharded parameters: re-derive the shards.
@@ -167,20 +169,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        return state._post_forward(module, args, method(*args, **kwargs))
+        args, kwargs = hooks.pre_forward(state, module, args, kwargs)
+        return hooks.post_forward(state, module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 
 
-def _fsdp_modules(module: FSDPModule, recurse: bool) -> list[FSDPModule]:
+def _states(module: FSDPModule, recurse: bool) -> list[GroupState]:
     modules = module.modules() if recurse else [module]
-    return [m for m in modules if isinstance(m, FSDPModule)]
-
-
-def _groups(module: FSDPModule, recurse: bool):
-    groups = (m._shardkit().group for m in _fsdp_modules(module, recurse))
-    return [g for g in groups if g is not None]
+    return [m._shardkit() for m in modules if isinstance(m, FSDPModule)]
 
 
 def _checked_fsdp_modules(modules: list, direction: str) -> list[FSDPModule]:

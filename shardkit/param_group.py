@@ -1,37 +1,75 @@
 """ParamGroup: the parameters of one ``fully_shard`` call, unsharded and resharded together.
 
-Its sharded/unsharded state is separate from the training phase (``state.py``): only
-``unshard`` / ``wait_for_unshard`` / ``reshard`` change it, whoever asks (hooks, prefetch, or
-the user through ``FSDPModule.unshard``).
+Which parameters the modules hold is the group's ``Storage``, a state of its own, separate
+from the training phase (``state.py``). Only ``unshard``, ``wait_for_unshard`` and
+``reshard`` change it, whoever asks (the schedule, a prefetch, or the user through
+``FSDPModule.unshard``):
+
+    SHARDED   --unshard()---------------------> GATHERING   (all-gather issued)
+    GATHERING --wait_for_unshard()------------> UNSHARDED   (copied out, registered)
+    UNSHARDED --reshard()---------------------> SHARDED     (storage freed)
+    UNSHARDED --reshard(free=False)-----------> KEPT        (sharded registered, data kept)
+    KEPT      --unshard(), data still fresh---> UNSHARDED   (no all-gather)
+    KEPT      --unshard(), data stale---------> GATHERING   (freed, gathered again)
+    KEPT      --reshard()---------------------> SHARDED
+    GATHERING --reshard()---------------------> SHARDED     (waits for the all-gather first)
+
+``reshard_to_post_forward`` (``reshard_after_forward=R``) also keeps this rank's 1/R of each
+parameter (the post-forward shards) in SHARDED; the next ``unshard`` gathers from them among
+R ranks and lets them go. The data is stale once an optimizer has stepped (a global step
+hook) or a sharded parameter was edited in place (its version counter moved) since it was
+gathered.
 """
 
 from __future__ import annotations
 
+import enum
 import weakref
+from dataclasses import dataclass, field
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit import optim
 from shardkit.comm import collectives, trace
-from shardkit.comm.collectives import Bucket, Comm, PendingAllGather, PendingReduceScatter
+from shardkit.comm.collectives import Bucket, Comm, PendingAllGather, PendingReduction
 from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam, free_storage
+from shardkit.options import GroupOptions
 
 
-# Groups whose unsharded parameters (or an issued all-gather) exist right now. Any optimizer
-# step marks them stale: the next unshard gathers again instead of reusing pre-step values
-# (a root kept unsharded by an eval forward, or reshard_after_backward=False). torch's
-# foreach and fused optimizers do not bump the parameters' version counters, so a step hook
-# is the one reliable signal.
-_live_unsharded: "weakref.WeakSet[ParamGroup]" = weakref.WeakSet()
+class Storage(enum.Enum):
+    SHARDED = "sharded"  # the modules hold the sharded parameters; no unsharded data
+    GATHERING = "gathering"  # an all-gather is issued; the modules still hold the sharded ones
+    UNSHARDED = "unsharded"  # the modules hold the unsharded parameters
+    KEPT = "kept"  # the modules hold the sharded parameters; the gathered data is kept for reuse
 
 
-def _mark_live_unsharded_stale(optimizer, args, kwargs) -> None:
-    for group in list(_live_unsharded):
-        group.stale = True
+@dataclass
+class Layout:
+    """How a group's collectives run, and what their buffers hold between steps. Made at
+    lazy init, once the shards are materialized; made again after ``.to()``."""
+
+    comm: Comm  # the dim the parameters are sharded over
+    replicate: Comm | None  # HSDP: the replicate dim
+    post_forward: Comm | None  # reshard_after_forward=R: R consecutive ranks of the shard dim
+    all_gather: list[Bucket]  # one per param_dtype
+    reduce_scatter: list[Bucket]  # one per reduce_dtype
+    post_forward_buckets: list[Bucket]
+    partial: dict = field(default_factory=dict)  # HSDP sums not yet all-reduced, by bucket
+    gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
+
+
+# Groups holding gathered data right now: any optimizer step makes it stale.
+_live: "weakref.WeakSet[ParamGroup]" = weakref.WeakSet()
+
+
+def _optimizer_stepped(optimizer, args, kwargs) -> None:
+    # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
+    for group in list(_live):
+        if group.layout is not None:
+            group.layout.gathered_version = None
 
 
 _step_hook = None
@@ -40,7 +78,7 @@ _step_hook = None
 def _install_step_hook_once() -> None:
     global _step_hook
     if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_mark_live_unsharded_stale)
+        _step_hook = register_optimizer_step_post_hook(_optimizer_stepped)
 
 
 def still_on_meta(names: list[str]) -> RuntimeError:
@@ -52,62 +90,65 @@ def still_on_meta(names: list[str]) -> RuntimeError:
 
 
 class ParamGroup:
-    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, post_forward_mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, options: GroupOptions, post_forward_mesh: DeviceMesh | None = None) -> None:
         self.params = params
-        self.mesh = mesh  # 1-D (FSDP) or 2-D (HSDP: replicate, shard)
-        self.world = mesh.size(mesh.ndim - 1)  # ranks the parameters are sharded over
-        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
-        # reshard_after_forward=R: a (world / R, R) mesh whose dim 1 is this rank's R ranks.
-        self.post_forward_mesh = post_forward_mesh
+        self.options = options  # shared with the group's state: the set_* knobs
+        # 1-D (FSDP) or 2-D (HSDP: replicate, shard); reshard_after_forward=R: (world / R, R).
+        self.meshes = (mesh, post_forward_mesh)
         if post_forward_mesh is not None:
             for p in params:
                 p.set_post_forward(post_forward_mesh.size(1), post_forward_mesh.get_local_rank(1))
         self.name = ""  # the owning modules' FQNs, set at lazy init
-        self.is_unsharded = False  # which parameters the modules hold
-        self._holds_data = False  # whether the unsharded storage holds gathered data
-        self._holds_post_forward = False  # whether the parameters' post-forward shards are kept
-        self._pending: list[PendingAllGather] = []  # issued, not yet waited for
-        self._pending_post_forward = False  # ... from the post-forward shards
-        self._reducing: list[PendingReduceScatter] = []  # issued, not yet waited for
-        self._gathered_versions: list[int] = []  # padded-shard versions when we last gathered
-        self._ag_buckets: list[Bucket] | None = None  # None until lazy init
-        self.stale = False  # an optimizer stepped since we gathered
-        self.host_sync = any(p.pin_memory for p in params)  # gradients go to pinned host memory asynchronously
+        self.storage = Storage.SHARDED
+        self.layout: Layout | None = None  # at lazy init
+        self.gathering: list[PendingAllGather] = []  # issued, not yet waited for
+        self.reducing: list[PendingReduction] = []  # issued, not yet finished
         _install_step_hook_once()
         optim.install_once()
-        # Knobs set through FSDPModule.set_* (FSDP2 names).
-        self.reshard_after_backward = True
-        self.reduce_grads = True
-        self.all_reduce_grads = True  # HSDP: False keeps the reduce-scatter sums for later
-        self.gradient_divide_factor: float | None = None
-        self._partial: dict = {}  # HSDP sums not yet all-reduced, by bucket
 
-    # Unshard / reshard -------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        """The ranks the parameters are sharded over."""
+        return self.meshes[0].size(self.meshes[0].ndim - 1)
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.storage is Storage.UNSHARDED
+
+    def drop_post_forward_mesh(self) -> None:
+        """``set_reshard_after_forward(bool)`` replaces an int: reshard to the whole mesh or not at all."""
+        self.meshes = (self.meshes[0], None)
+        if self.layout is not None:
+            self.layout.post_forward = None
+
     def lazy_init(self) -> None:
         meta = [p.fqn for p in self.params if p.shard_device.type == "meta"]
         if meta:
             raise still_on_meta(meta)
         for p in self.params:
             p.alloc_unsharded()
+        mesh, post_mesh = self.meshes
         streams = streams_for(self.params[0].device)
-        self._comm = Comm.of(self.mesh, self.mesh.ndim - 1, streams)
-        self._replicate_comm = Comm.of(self.mesh, 0, streams) if self.mesh.ndim == 2 else None
-        self._ag_buckets = collectives.buckets(self.params, "param_dtype", self.world)
-        self._rs_buckets = collectives.buckets(self.params, "reduce_dtype", self.world)
-        if self.post_forward_mesh is not None:
-            # reshard_after_forward=R: R consecutive ranks of the shard dimension, "dp/R" in the trace
-            post_name = f"{self._comm.mesh_dim}/{self.post_forward_mesh.size(1)}"
-            self._post_comm = Comm.of(self.post_forward_mesh, 1, streams, post_name)
-            self._post_buckets = collectives.buckets(self.params, "param_dtype", self._post_comm.world, post_forward=True)
+        comm = Comm.of(mesh, mesh.ndim - 1, streams)
+        replicate = Comm.of(mesh, 0, streams) if mesh.ndim == 2 else None
+        post, post_buckets = None, []
+        if post_mesh is not None:  # "dp/R" in the trace
+            post = Comm.of(post_mesh, 1, streams, f"{comm.mesh_dim}/{post_mesh.size(1)}")
+            post_buckets = collectives.buckets(self.params, "param_dtype", post.world, post_forward=True)
+        all_gather = collectives.buckets(self.params, "param_dtype", self.world)
+        reduce_scatter = collectives.buckets(self.params, "reduce_dtype", self.world)
+        self.layout = Layout(comm, replicate, post, all_gather, reduce_scatter, post_buckets)
 
+    # Unshard / reshard -------------------------------------------------------------------
     def unshard(self) -> None:
         """Issue the all-gather (``wait_for_unshard`` finishes it); a no-op if one is issued
-        or the gathered data is still fresh. After ``reshard_to_post_forward`` it gathers
-        from the post-forward shards, among their R ranks only."""
-        if self._pending or self._holds_data:
+        or the kept data is still fresh."""
+        if self.storage is Storage.GATHERING:
+            return
+        if self.storage in (Storage.UNSHARDED, Storage.KEPT):
             if self._fresh():
-                if not self._pending:
-                    self._register_unsharded()  # data kept by reshard(free=False)
+                if self.storage is Storage.KEPT:
+                    self._register_unsharded()
                 return
             self.reshard()  # the shards changed since we gathered: gather again
         if not dist.is_initialized():
@@ -116,89 +157,84 @@ class ParamGroup:
                 "not initialized (call init_process_group first, and do not destroy it while "
                 "training)."
             )
-        if self._ag_buckets is None:
+        if self.layout is None:
             self.lazy_init()
-        if self._holds_post_forward and self._fresh():
-            self._pending = [collectives.all_gather(b, self._post_comm, self.name) for b in self._post_buckets]
-            self._pending_post_forward = True
+        layout = self.layout
+        if self.holds_post_forward and layout.post_forward is not None and self._fresh():
+            comm, buckets = layout.post_forward, layout.post_forward_buckets
         else:
-            self._drop_post_forward()
-            self._pending = [collectives.all_gather(b, self._comm, self.name) for b in self._ag_buckets]
-            self._gathered_versions = self._shard_versions()
-            self.stale = False
-        _live_unsharded.add(self)
+            comm, buckets = layout.comm, layout.all_gather
+            layout.gathered_version = self._shard_version()
+        self.gathering = [collectives.all_gather(b, comm, self.name) for b in buckets]
+        self._drop_post_forward()  # the handles keep them until the all-gather is waited for
+        self.storage = Storage.GATHERING
+        _live.add(self)
 
     def needs_all_gather(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
-        if self._pending:
+        if self.storage is Storage.GATHERING:
             return False
-        return not (self._holds_data and self._fresh())
+        return not (self.storage in (Storage.UNSHARDED, Storage.KEPT) and self._fresh())
 
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
-        if not self._pending:
+        if self.storage is not Storage.GATHERING:
             return
-        comm = self._post_comm if self._pending_post_forward else self._comm
-        for pending in self._pending:
-            collectives.finish_all_gather(pending, comm)
-        self._pending = []
-        if self._pending_post_forward:
-            self._pending_post_forward = False
-            self._drop_post_forward()
-        self._holds_data = True
+        for pending in self.gathering:
+            collectives.finish_all_gather(pending)
+        self.gathering = []
         self._register_unsharded()
 
-    def reshard(self, free: bool = True, keep_post_forward: bool = False) -> None:
+    def reshard(self, free: bool = True) -> None:
         """Register the sharded parameters; free the unsharded storage unless ``free=False``
         (the data is then reused by the next unshard if no optimizer step came between)."""
-        if self._pending:
-            self.wait_for_unshard()
-        if not keep_post_forward:
-            self._drop_post_forward()
-        if self.is_unsharded:
-            for p in self.params:
-                p.to_sharded()
-            self.is_unsharded = False
-            detail = "(data kept)" if not free else f"(1/{self._post_comm.world} kept)" if keep_post_forward else ""
-            trace.record("reshard", self.name, detail)
-        if free and self._holds_data:
-            for p in self.params:
-                free_storage(p.unsharded_flat)
-            self._holds_data = False
-            if not self._holds_post_forward:
-                _live_unsharded.discard(self)
+        self._drop_post_forward()
+        self._reshard(free, "" if free else "(data kept)")
 
     def reshard_to_post_forward(self) -> None:
         """After forward with ``reshard_after_forward=R``: keep this rank's 1/R of every
         parameter for the backward all-gather among R ranks, free the rest."""
-        if self._pending:
-            self.wait_for_unshard()
-        if self._holds_data:
+        self.wait_for_unshard()
+        if self.storage is not Storage.SHARDED:
             for p in self.params:
                 p.keep_post_forward_shard()
-            self._holds_post_forward = True
-        self.reshard(keep_post_forward=True)
+        self._reshard(True, f"(1/{self.layout.post_forward.world} kept)")
+
+    def _reshard(self, free: bool, detail: str) -> None:
+        self.wait_for_unshard()
+        if self.storage is Storage.UNSHARDED:
+            for p in self.params:
+                p.to_sharded()
+            trace.record("reshard", self.name, detail)
+            self.storage = Storage.KEPT
+        if free and self.storage is Storage.KEPT:
+            for p in self.params:
+                free_storage(p.unsharded_flat)
+            self.storage = Storage.SHARDED
+            if not self.holds_post_forward:
+                _live.discard(self)
+
+    @property
+    def holds_post_forward(self) -> bool:
+        return self.params[0].post_forward_shard is not None
 
     def _drop_post_forward(self) -> None:
-        if self._holds_post_forward:
-            for p in self.params:
-                p.post_forward_shard = None
-            self._holds_post_forward = False
+        for p in self.params:
+            p.post_forward_shard = None
 
     def _register_unsharded(self) -> None:
-        if not self.is_unsharded:
-            for p in self.params:
-                p.to_unsharded()
-            self.is_unsharded = True
-            trace.record("unshard", self.name)
+        for p in self.params:
+            p.to_unsharded()
+        self.storage = Storage.UNSHARDED
+        trace.record("unshard", self.name)
 
     def _fresh(self) -> bool:
         """No optimizer step and no in-place edit of the shards since we last gathered."""
-        return not self.stale and self._gathered_versions == self._shard_versions()
+        return self.layout.gathered_version == self._shard_version()
 
-    def _shard_versions(self) -> list[int]:
-        """In-place edits of the sharded parameters outside an optimizer step bump these."""
-        return [p.sharded_param._version for p in self.params]
+    def _shard_version(self) -> int:
+        """In-place edits of the sharded parameters outside an optimizer step bump this."""
+        return sum(p.sharded_param._version for p in self.params)
 
     # Gradients ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -208,44 +244,44 @@ class ParamGroup:
         Every trainable parameter takes part, with a zero gradient where this rank has none,
         so ranks that used different parameters still issue the same collectives.
         """
-        if self._ag_buckets is None:
+        if self.layout is None:
             return  # never ran: no gradients
-        if not self.reduce_grads:
+        if not self.options.requires_gradient_sync:
             for p in self.params:
                 if p.requires_grad:
                     p.accumulate_unreduced_grad()
             return
-        for bucket in self._rs_buckets:
+        for bucket in self.layout.reduce_scatter:
             trainable = [p for p in bucket.params if p.requires_grad]
-            if not trainable:
-                continue  # frozen parameters get no reduction
-            grads = [p.take_unsharded_grad() for p in trainable]
-            sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
-            how = collectives.Reduction(self.gradient_divide_factor or self.world * self.replicas)
-            if self._replicate_comm is not None:  # HSDP
-                how.partial = self._partial.pop(tuple(map(id, sub.params)), None)
-                if self.all_reduce_grads:
-                    how.replicate = self._replicate_comm
-                else:
-                    how.keep_partial = self._partial
-            self._reducing.append(collectives.reduce_scatter(sub, grads, self._comm, self.name, how))
+            if trainable:  # frozen parameters get no reduction
+                grads = [p.take_unsharded_grad() for p in trainable]
+                sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
+                self.reducing.append(collectives.reduce_scatter(sub, grads, self.layout.comm, self.name, self._reduction(sub)))
 
-    def reduce_progress(self) -> bool:
+    def _reduction(self, bucket: Bucket) -> collectives.Reduction:
+        layout, mesh = self.layout, self.meshes[0]
+        how = collectives.Reduction(self.options.gradient_divide_factor or mesh.size())
+        if layout.replicate is not None:  # HSDP
+            how.partial = layout.partial.pop(tuple(map(id, bucket.params)), None)
+            if self.options.requires_all_reduce:
+                how.replicate = layout.replicate
+            else:
+                how.keep_partial = layout.partial
+        return how
+
+    def reduce_done(self) -> bool:
         """Move the issued reductions on without blocking, in issue order (so every rank starts
         its HSDP all-reduces in the same order); whether all have completed."""
-        return all(collectives.progress(p) for p in self._reducing)  # stops at the first not done
+        return all(collectives.reduce_done(p) for p in self.reducing)  # stops at the first not done
 
     def finish_reduce(self, keep: bool = True) -> None:
-        """Wait for the issued reduce-scatters; give the results to ``.grad`` unless ``keep=False``."""
-        for pending in self._reducing:
-            if keep:
-                collectives.finish_reduce_scatter(pending, self._comm)
-            elif pending.work is not None:
-                pending.work.wait()
-        self._reducing = []
+        """Wait for the issued reductions; give the results to ``.grad`` unless ``keep=False``."""
+        for pending in self.reducing:
+            collectives.finish_reduce_scatter(pending, keep)
+        self.reducing = []
 
     def reset_layout(self) -> None:
         """Forget buffer layouts after the parameters' dtype or device changed."""
         self.reshard()
         self.finish_reduce()
-        self._ag_buckets = None
+        self.layout = None

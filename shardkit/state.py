@@ -1,16 +1,30 @@
-"""The training phase of one ``fully_shard`` group, as one table.
+"""The control state of a step, and the rules that change it, as data.
 
-Every phase change goes through ``PhaseMachine.advance``: it looks the ``(phase, event)``
-pair up in ``TRANSITIONS``, records the change in the trace, and raises on a pair the table
-does not hold. Whether the group's parameters are sharded or unsharded is a second,
-orthogonal state that only ``ParamGroup.unshard`` / ``reshard`` change.
+Each group (one ``fully_shard`` call) is in one ``Phase``. The module hooks report what torch
+tells them to the root's ``Schedule`` (``schedule.py``), which turns it into an ``Event`` for
+one group, looks ``(phase, event)`` up in ``RULES``, enters the rule's next phase and then
+runs its actions, in order. A pair the table does not hold raises ``IllegalTransition``.
+Re-entry (another module of the group, a nested call), recomputation under activation
+checkpointing and the calls that open and close the forward pass are rows, not special
+cases in the hooks. ``render_rules()`` prints the table (pinned by a test and in
+docs/design.md).
+
+Whether a group's parameters are sharded or unsharded is a second, orthogonal state, the
+``ParamGroup``'s ``Storage`` (``param_group.py``), which only unshard / reshard change.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+from typing import Any
 
-from shardkit.comm import trace
+import torch
+import torch.nn as nn
+
+from shardkit.options import GroupOptions, RootOptions
+from shardkit.param_group import ParamGroup
+from shardkit.policies import MixedPrecisionPolicy
 
 
 class Phase(enum.Enum):
@@ -20,73 +34,164 @@ class Phase(enum.Enum):
     POST_BACKWARD = "POST_BACKWARD"  # the group's gradients are reduced
 
 
-class PhaseEvent(enum.Enum):
-    PRE_FORWARD = "pre_forward"
-    POST_FORWARD = "post_forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-    FINALIZE = "finalize"  # the root's end-of-backward callback
+class Event(enum.Enum):
+    START_FORWARD = "start_forward"  # a forward call starts and opens the forward pass
+    PRE_FORWARD = "pre_forward"  # a forward call starts inside the pass
+    RECOMPUTE = "recompute"  # a forward call starts inside backward (activation checkpointing)
+    INNER_POST_FORWARD = "inner_post_forward"  # a call ends; others of the group are still open or to run
+    POST_FORWARD = "post_forward"  # the group's last open call ends
+    END_FORWARD = "end_forward"  # ... and it is the call that opened the pass
+    PRE_BACKWARD = "pre_backward"  # a gradient reaches one of the group's outputs
+    POST_BACKWARD = "post_backward"  # the gradients reach its inputs (or backward ends without that)
+    FINALIZE = "finalize"  # the end of backward: the root's final callback
+    RESET = "reset"  # reset_iter_state() after an exception
 
 
-P, E = Phase, PhaseEvent
-TRANSITIONS: dict[tuple[Phase, PhaseEvent], Phase] = {
-    # A normal step: forward, then backward reaches the group's outputs, then its inputs.
-    (P.IDLE, E.PRE_FORWARD): P.FORWARD,
-    (P.FORWARD, E.POST_FORWARD): P.IDLE,
-    (P.IDLE, E.PRE_BACKWARD): P.PRE_BACKWARD,
-    (P.PRE_BACKWARD, E.POST_BACKWARD): P.POST_BACKWARD,
-    # A module called twice in forward is met twice in backward. (Further outputs of one
-    # call fire the pre-backward hook again in PRE_BACKWARD; the hook ignores those.)
-    (P.POST_BACKWARD, E.PRE_BACKWARD): P.PRE_BACKWARD,
-    # Gradients reach the inputs but never passed through the outputs' hooks (again).
-    (P.IDLE, E.POST_BACKWARD): P.POST_BACKWARD,
-    (P.POST_BACKWARD, E.POST_BACKWARD): P.POST_BACKWARD,
-    # Activation checkpointing recomputes the forward inside the backward.
-    (P.PRE_BACKWARD, E.PRE_FORWARD): P.PRE_BACKWARD,
-    (P.PRE_BACKWARD, E.POST_FORWARD): P.PRE_BACKWARD,
-    # The root's final callback returns every group to IDLE, whatever it reached.
-    (P.IDLE, E.FINALIZE): P.IDLE,
-    (P.FORWARD, E.FINALIZE): P.IDLE,
-    (P.PRE_BACKWARD, E.FINALIZE): P.IDLE,
-    (P.POST_BACKWARD, E.FINALIZE): P.IDLE,
+class Action(enum.Enum):
+    """Each is the ``Schedule`` method of the same name."""
+
+    OPEN_PASS = "open_pass"  # remember who opened the pass; move the inputs to the device
+    BEGIN_CALLS = "begin_calls"  # count the open call and the group's modules yet to run
+    ENTER = "enter"  # one more open call
+    LEAVE = "leave"  # one call fewer
+    UNSHARD = "unshard"  # unshard and wait: this group and the owners of tied weights it uses
+    PREFETCH_FORWARD = "prefetch_forward"  # issue the all-gathers of the groups that run next
+    HOOK_INPUTS = "hook_inputs"  # the post-backward fires when the inputs' gradients are computed
+    RESHARD_AFTER_FORWARD = "reshard_after_forward"  # unless reshard_after_forward=False
+    HOOK_OUTPUTS = "hook_outputs"  # the pre-backward fires when an output's gradient arrives
+    CLOSE_PASS = "close_pass"  # finish groups that ran in part, free unused prefetches, keep the order
+    QUEUE_FINALIZE = "queue_finalize"  # queue the end-of-backward callback, once per backward
+    UNSHARD_FOR_BACKWARD = "unshard_for_backward"  # unless set_unshard_in_backward(False)
+    PREFETCH_BACKWARD = "prefetch_backward"  # issue the all-gather of the group before it
+    REDUCE = "reduce"  # reduce-scatter (or defer, for tied weights), reshard, finish completed ones
+    END_STEP = "end_step"  # forget the step's calls; free an all-gather prefetched but not used
+    DROP_STEP = "drop_step"  # wait for and drop collectives, reshard, drop partial gradients
+
+
+@dataclass(frozen=True)
+class Rule:
+    next: Phase
+    actions: tuple[Action, ...]
+    why: str
+
+
+P, E, A = Phase, Event, Action
+_FORWARD = (A.UNSHARD, A.PREFETCH_FORWARD, A.HOOK_INPUTS)
+_BACKWARD = (A.QUEUE_FINALIZE, A.UNSHARD_FOR_BACKWARD, A.PREFETCH_BACKWARD)
+_AFTER_FORWARD = (A.LEAVE, A.RESHARD_AFTER_FORWARD, A.HOOK_OUTPUTS)
+RULES: dict[tuple[Phase, Event], Rule] = {
+    (P.IDLE, E.START_FORWARD): Rule(P.FORWARD, (A.OPEN_PASS, A.BEGIN_CALLS, *_FORWARD), "the root's forward opens the pass"),
+    (P.IDLE, E.PRE_FORWARD): Rule(P.FORWARD, (A.BEGIN_CALLS, *_FORWARD), "a group's forward starts"),
+    (P.FORWARD, E.PRE_FORWARD): Rule(P.FORWARD, (A.ENTER,), "re-entry: another module of the group, or a nested call"),
+    (P.FORWARD, E.INNER_POST_FORWARD): Rule(P.FORWARD, (A.LEAVE,), "that call ends; the group's forward goes on"),
+    (P.FORWARD, E.POST_FORWARD): Rule(P.IDLE, _AFTER_FORWARD, "the group's forward ends"),
+    (P.FORWARD, E.END_FORWARD): Rule(P.IDLE, (*_AFTER_FORWARD, A.CLOSE_PASS), "the root's forward ends: so does the pass"),
+    (P.IDLE, E.RECOMPUTE): Rule(P.FORWARD, (A.BEGIN_CALLS, A.UNSHARD, A.HOOK_INPUTS), "a group inside a recomputed one runs forward again"),
+    (P.FORWARD, E.RECOMPUTE): Rule(P.FORWARD, (A.ENTER,), "re-entry while it does"),
+    (P.PRE_BACKWARD, E.RECOMPUTE): Rule(P.PRE_BACKWARD, (A.UNSHARD,), "activation checkpointing recomputes the forward"),
+    (P.PRE_BACKWARD, E.POST_FORWARD): Rule(P.PRE_BACKWARD, (), "the recomputation ends: parameters stay for backward"),
+    (P.IDLE, E.PRE_BACKWARD): Rule(P.PRE_BACKWARD, _BACKWARD, "a gradient reaches the group's outputs"),
+    (P.PRE_BACKWARD, E.PRE_BACKWARD): Rule(P.PRE_BACKWARD, (), "another output of the same call"),
+    (P.POST_BACKWARD, E.PRE_BACKWARD): Rule(P.PRE_BACKWARD, _BACKWARD, "a group called twice: its other call's outputs"),
+    (P.PRE_BACKWARD, E.POST_BACKWARD): Rule(P.POST_BACKWARD, (A.REDUCE,), "the gradients reach the group's inputs"),
+    (P.IDLE, E.POST_BACKWARD): Rule(P.POST_BACKWARD, (A.REDUCE,), "no gradient reached the outputs (or end of backward)"),
+    (P.POST_BACKWARD, E.POST_BACKWARD): Rule(P.POST_BACKWARD, (A.REDUCE,), "a group called twice, both calls' gradients first"),
+    **{(p, E.FINALIZE): Rule(P.IDLE, (A.END_STEP,), "the end of backward") for p in Phase},
+    **{(p, E.RESET): Rule(P.IDLE, (A.DROP_STEP,), "after an exception: reset_iter_state()") for p in Phase},
 }
-del P, E
+del P, E, A
 
 
 class IllegalTransition(RuntimeError):
     pass
 
 
-class PhaseMachine:
-    """The one writer of a group's phase."""
-
-    def __init__(self, name: str = "") -> None:
-        self.name = name  # the group's module FQN, set at lazy init
-        self.phase = Phase.IDLE
-
-    def advance(self, event: PhaseEvent) -> Phase:
-        old = self.phase
-        new = TRANSITIONS.get((old, event))
-        if new is None:
-            raise IllegalTransition(
-                f"shardkit group '{self.name or '<root>'}': {event.value} is not allowed in "
-                f"phase {old.value}. This usually means a forward or backward was interrupted; "
-                "call reset_iter_state() on the root module before the next step."
-            )
-        self.phase = new
-        if trace.is_recording():
-            trace.record("phase", self.name, f"{event.value}: {old.value} -> {new.value}")
-        return new
-
-    def reset(self) -> None:
-        """Back to IDLE after an aborted step (the only write outside ``advance``)."""
-        self.phase = Phase.IDLE
+def rule_for(phase: Phase, event: Event, name: str) -> Rule:
+    rule = RULES.get((phase, event))
+    if rule is None:
+        raise IllegalTransition(
+            f"shardkit group '{name or '<root>'}': {event.value} is not allowed in phase "
+            f"{phase.value}. This usually means a forward or backward was interrupted; call "
+            "reset_iter_state() on the root module before the next step."
+        )
+    return rule
 
 
-def render_transitions() -> str:
-    """The table as text, one ``phase --event--> phase`` per line (pinned by a test and in docs)."""
-    width = max(len(p.value) for p in Phase)
-    return "\n".join(
-        f"{old.value:<{width}} --{event.value}--> {new.value}"
-        for (old, event), new in TRANSITIONS.items()
-    )
+def render_rules() -> str:
+    """The table as text, one rule per line (pinned by a test and shown in docs/design.md)."""
+    rows = [(f"{p.value} --{e.value}-->", r.next.value, ", ".join(a.value for a in r.actions) or "-", r.why) for (p, e), r in RULES.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(f"{a:<{widths[0]}} {b:<{widths[1]}}  {c:<{widths[2]}}  # {d}" for a, b, c, d in rows)
+
+
+# The per-group record ----------------------------------------------------------------------
+@dataclass
+class Root:
+    """What every group under one root shares: the step's options and the root's schedule.
+    Each group has its own until the root's lazy init makes the root's the one they all share."""
+
+    options: RootOptions = field(default_factory=RootOptions)
+    schedule: Any = None  # the root's Schedule (schedule.py), made at lazy init
+
+
+@dataclass
+class Links:
+    """Where a group sits: its name under the root, the ``fully_shard`` call around it, and the
+    groups it shares tied weights with (the owner keeps them; see schedule.py, "Tied")."""
+
+    name: str = ""  # the module FQN under the root ("" for the root), set at lazy init
+    parent: "GroupState | None" = None
+    borrowed: list["GroupState"] = field(default_factory=list)  # owners of tied weights we use
+    borrowers: list["GroupState"] = field(default_factory=list)  # groups using our tied weights
+
+
+@dataclass
+class Step:
+    """Where a group is in the current step; the schedule writes it, through ``RULES``."""
+
+    phase: Phase = Phase.IDLE
+    calls: int = 0  # forward calls entered and not yet left
+    to_run: set = field(default_factory=set)  # modules of the group yet to run in this forward
+    backward_index: list[int] = field(default_factory=list)  # places in the post-forward order
+    deferred_reduce: bool = False  # waiting for the groups using our tied weights
+
+
+@dataclass(eq=False, repr=False)  # compared by identity: it sits in sets and lists of groups
+class GroupState:
+    """One ``fully_shard`` call: its modules, parameters and options, and its step."""
+
+    modules: tuple[nn.Module, ...]
+    group: ParamGroup | None  # None: the modules hold no parameters of their own
+    options: GroupOptions
+    mp_policy: MixedPrecisionPolicy
+    device: torch.device
+    root: Root = field(default_factory=Root)
+    links: Links = field(default_factory=Links)
+    step: Step = field(default_factory=Step)
+
+    @property
+    def name(self) -> str:
+        return self.links.name
+
+    @property
+    def schedule(self) -> Any:
+        return self.root.schedule
+
+    def __repr__(self) -> str:
+        return f"GroupState({self.name or '<root>'!r}, {self.step.phase.value})"
+
+
+def state_of(module: nn.Module) -> GroupState | None:
+    return module.__dict__.get("_shardkit_state")
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name, without the ``FSDP`` subclass that fully_shard swaps in."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if state_of(module) is not None else cls.__name__
+
+
+def is_root(state: GroupState) -> bool | None:
+    """Whether ``state`` is the root of its tree (None before the first forward)."""
+    schedule = state.root.schedule
+    return None if schedule is None else schedule.states[0] is state

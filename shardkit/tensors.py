@@ -1,12 +1,14 @@
-"""Tensors inside a module's inputs and outputs: tuples, lists, dicts, dataclasses."""
+"""Tensors inside a module's inputs and outputs (tuples, lists, dicts, dataclasses): casts,
+device moves, and the autograd hooks that tell the schedule when gradients arrive."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.utils import _apply_to_tensors
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -33,3 +35,36 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 def to_device(obj: Any, device: torch.device) -> Any:
     """Every tensor inside ``obj`` on ``device`` (asynchronously from pinned memory)."""
     return _apply_to_tensors(lambda x: x.to(device, non_blocking=True), obj)
+
+
+def on_output_grads(output: Any, callback: Callable[[torch.Tensor], None]) -> None:
+    """Call ``callback`` whenever the gradient of a tensor of ``output`` (that needs one) arrives."""
+    for t in iter_tensors(output):
+        if t.requires_grad:
+            t.register_hook(callback)
+
+
+def on_input_grads(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with their tensors that need grad passed through an identity
+    autograd Function whose backward calls ``callback``: once the gradients of all of them are
+    computed (a module's parameters' gradients are accumulated by then)."""
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not where:
+        return args, kwargs
+    outs = _OnInputGrads.apply(callback, *(flat[i] for i in where))
+    for i, out in zip(where, outs):
+        flat[i] = out
+    return tree_unflatten(flat, spec)
+
+
+class _OnInputGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *inputs: torch.Tensor):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.callback()
+        return (None, *grads)

@@ -1,108 +1,221 @@
-"""Where collectives run, and how their results are handed back: CUDA streams and events,
-or a gloo work handle on CPU. The only file that knows about streams.
+"""Where collectives run and how the compute waits for them: the one file that knows the device.
+
+Every collective is issued through ``Streams.issue(kind, launch, ...)``, which returns a
+``Handle``: ``poll()`` says without blocking whether it has completed, ``wait()`` orders the
+compute after it, and until then the handle keeps every buffer the collective uses alive.
+The callers (``comm/collectives.py``) take the same steps on every device, with the copy-out
+after ``wait()`` on the compute stream; only the ``Streams`` object differs:
+
+- ``Streams`` (CPU, the fake process group): no streams. The collective starts with
+  ``async_op=True`` and runs on the process group's own thread; ``wait`` blocks on its work.
+- ``DeviceStreams(torch.cuda)`` (CUDA): each kind of collective has a side stream. ``issue``
+  makes it wait for the compute stream, runs the copy-in and the collective there, and records
+  an event; ``wait`` makes the compute stream wait for that event (no host sync).
+- ``DeviceStreams(checker)`` (``SHARDKIT_STREAMS=sim`` on the CPU): the same CUDA path over
+  ``comm/sim.py``'s simulated streams, which check every tensor access for races.
 
 [Note: buffer lifetimes]
-A collective is *issued* in one hook and *waited for* in a later one (prefetch: the next
-group's all-gather runs while this group computes; the reduce-scatter of one group runs
-while the previous group's backward computes). Between the two, every buffer it touches
-must stay alive and must not be reused by another stream.
+A collective is issued in one hook and waited for in a later one (a prefetched all-gather
+runs while the previous group computes; a reduce-scatter runs while the next group's backward
+computes). Until ``wait()``, its handle holds every buffer it reads or writes (``buffers``):
 
-On CUDA each kind of collective has its own side stream (all-gather, reduce-scatter,
-all-reduce). ``side(kind)`` makes the side stream wait for the compute stream (so it sees
-the optimizer's updates and the gradients just computed) and makes it current; the
-collective's copy-in, the collective (NCCL syncs with the current stream) and its copy-out
-are all enqueued there, then ``done()`` records an event. ``wait(pending)`` makes the
-compute stream wait for that event. So:
+- On the CPU, the process group's thread uses them until the work completes.
+- On CUDA, the side stream uses them. Memory that was allocated on the compute stream (the
+  unsharded gradients a reduce-scatter reads, the post-forward shards an all-gather reads,
+  an unsharded parameter gathered in place) must not go back to the caching allocator
+  before the compute stream has waited for the collective: the allocator hands freed memory
+  to the next allocation on the stream that allocated it, which would then overwrite what the
+  side stream still reads. After ``wait()`` that order holds, so the handle lets them go. No
+  ``record_stream`` anywhere.
+- Every ``issue`` first makes its side stream wait for the compute stream: the copy-in sees
+  the optimizer's updates and the gradients just computed, and memory that the compute
+  stream read last (an all-gather output after its copy-out) is reused on the side stream
+  only after that read.
+- The unsharded parameters are freed only by ``reshard``, which first waits for any pending
+  all-gather.
 
-- Buffers allocated on the side stream and used only there (the all-gather input and
-  output, the reduce-scatter input) are safe to drop from Python as soon as the last op
-  using them is enqueued: the caching allocator reuses a block only for work on the stream
-  that allocated it, which runs in order.
-- Buffers allocated on the compute stream and read on a side stream (the unsharded
-  gradients fed to the reduce-scatter) are kept alive by a reference in the pending
-  collective until the compute stream has waited for it; only then can the allocator hand
-  their memory to new compute work. No ``record_stream`` anywhere.
-- The unsharded parameters (allocated on the compute stream, written by the all-gather's
-  copy-out) are only freed by ``reshard``, which first waits for any pending all-gather.
-- The reduced gradient shards (allocated on the reduce-scatter stream, read by the
-  optimizer on the compute stream) are read only after ``wait``; the next reduce-scatter
-  that could reuse their memory first waits for the compute stream, which includes the
-  optimizer step and ``zero_grad``.
-
-On CPU the collectives run on the process group's own thread (``async_op=True``) and
-``wait`` blocks on the work handle; the pending object holds the input and output buffers
-until then. Under the fake process group the work completes at once. The control flow is
-the same on every device.
+``comm/sim.py`` checks these rules on the CPU: ``SHARDKIT_STREAMS=sim``, run in CI.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+import time
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+from shardkit.comm import check, sim, trace
+
+_FakeWork = getattr(torch._C._distributed_c10d, "FakeWork", ())
+KINDS = trace.COLLECTIVES  # all_gather, reduce_scatter, all_reduce: one side stream each
+
+# Copy-in and start one collective with ``async_op``; return its work and its buffers by name
+# (a tensor or a list of them).
+Launch = Callable[[bool], "tuple[dist.Work | None, dict[str, Any]]"]
+
+
+class Handle:
+    """One issued collective: ``poll()``, ``wait()``, and its buffers alive until then."""
+
+    __slots__ = ("streams", "kind", "name", "traced", "buffers", "done", "start")
+
+    def __init__(self, streams: "Streams", kind: str, name: str, traced: trace.Event | None) -> None:
+        self.streams, self.kind, self.name, self.traced = streams, kind, name, traced
+        self.buffers: dict[str, Any] = {}
+        self.done: Any = None  # CPU: the work; CUDA: an event on the side stream; None: nothing to wait for
+        self.start: tuple[Handle, Launch] | None = None  # CPU: waiting for a collective to complete first
+
+    def poll(self) -> bool:
+        return self.streams.poll(self)
+
+    def wait(self) -> None:
+        self.streams.wait(self)
 
 
 class Streams:
-    """The side streams of one device; on CPU every method is a no-op."""
+    """CPU and the fake process group: collectives run on the process group's thread."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        # High priority: a collective waiting to start delays every rank, compute only this one.
-        self._side = {k: torch.cuda.Stream(device, priority=-1) for k in KINDS} if self.is_cuda else {}
 
-    @contextlib.contextmanager
-    def side(self, kind: str, after: torch.cuda.Event | None = None) -> Iterator[None]:
-        """Run the block on the ``kind`` side stream, ordered after the compute issued so far
-        (and after the event ``after``, e.g. the reduce-scatter an all-reduce continues)."""
-        if not self.is_cuda:
-            yield
+    def issue(self, kind: str, name: str, launch: Launch, traced: trace.Event | None = None, after: Handle | None = None) -> Handle:
+        """Start a ``kind`` collective of group ``name``; with ``after``, once that collective
+        has completed (an HSDP all-reduce continuing a reduce-scatter)."""
+        handle = Handle(self, kind, name, traced)
+        if after is None:
+            self._start(handle, launch)
+        else:  # started by poll() or wait(), in issue order on every rank
+            handle.start = (after, launch)
+        return handle
+
+    def _start(self, handle: Handle, launch: Launch) -> None:
+        with trace.label(handle.kind, handle.name):
+            handle.done, handle.buffers = launch(True)
+        trace.on_completion(handle.traced, handle.done)
+
+    def _start_after(self, handle: Handle) -> None:
+        after, launch = handle.start
+        handle.start = None
+        self._block(after)
+        if handle.traced is not None:
+            handle.traced.t = time.perf_counter_ns()  # issued now
+        self._start(handle, launch)
+
+    def poll(self, handle: Handle) -> bool:
+        if handle.start is not None:
+            if not handle.start[0].poll():
+                return False
+            self._start_after(handle)
+        work = handle.done
+        # The fake process group's work never says is_completed(); its future is done at once.
+        return work is None or work.is_completed() or isinstance(work, _FakeWork) and work.get_future().done()
+
+    def wait(self, handle: Handle) -> None:
+        if handle.start is not None:
+            self._start_after(handle)
+        trace.waiting(handle.traced)
+        self._block(handle)
+        handle.buffers = {}
+
+    def _block(self, handle: Handle) -> None:
+        if handle.done is None:
             return
-        stream = self._side[kind]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        if after is not None:
-            stream.wait_event(after)
-        with torch.cuda.stream(stream):
-            yield
+        with trace.label(f"wait_{handle.kind}", handle.name):
+            try:
+                handle.done.wait()
+            except Exception as exc:  # a timeout or a dead peer: say what this rank had issued
+                raise check.failed(exc) from exc
+        handle.done = None
+        trace.done(handle.traced)
 
-    def done(self, kind: str) -> torch.cuda.Event | None:
-        """An event on the ``kind`` side stream after everything enqueued there so far."""
-        return self._side[kind].record_event() if self.is_cuda else None
+    def wait_host_copies(self) -> None:
+        """Wait for the copies to pinned host memory the device still runs (offloaded
+        gradients, at the end of backward): none on the CPU."""
 
-    def start_timing(self, traced) -> torch.cuda.Event | None:
-        """While a trace records (``traced``, its event): a timing event on the current side
-        stream, before the collective's work. CPU traces time the host wait instead."""
-        if traced is None or not self.is_cuda:
-            return None
-        from shardkit.comm import trace
-
-        trace.cuda_reference()
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        return start
-
-    def end_timing(self, start: torch.cuda.Event | None, traced) -> None:
-        """The matching end event; the trace reads both once it ends (``Trace.resolve``)."""
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            traced.cuda_events = (start, end)
-
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        """Make the compute stream wait for a side stream's event."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    def all_gathers_wait_for(self, event: Any) -> None:
+        """``set_post_optim_event``: the next all-gathers wait for the user's event (the CPU
+        runs everything in program order)."""
 
 
-_streams: dict[torch.device, Streams] = {}
+class DeviceStreams(Streams):
+    """CUDA, with ``api=torch.cuda``; its simulation on the CPU, with ``api`` a ``sim.Checker``."""
+
+    def __init__(self, device: torch.device, api: Any) -> None:
+        super().__init__(device)
+        self.api = api
+        # High priority: a collective waiting to start delays every rank, compute only this one.
+        self.side = {kind: api.Stream(device, priority=-1) for kind in KINDS}
+        self._reference: tuple[Any, int] | None = None  # an event and the host time it completed
+
+    def issue(self, kind: str, name: str, launch: Launch, traced: trace.Event | None = None, after: Handle | None = None) -> Handle:
+        handle = Handle(self, kind, name, traced)
+        stream = self.side[kind]
+        stream.wait_stream(self.api.current_stream(self.device))  # see the Note
+        if after is not None and after.done is not None:
+            stream.wait_event(after.done)
+        with self.api.stream(stream), trace.label(kind, name):
+            _, handle.buffers = launch(False)  # synchronous on the side stream: NCCL orders it there
+            handle.done = stream.record_event()
+            self._time(traced)
+        if isinstance(self.api, sim.Checker):  # name the buffers in its errors
+            for what, value in handle.buffers.items():
+                for t in value if isinstance(value, list) else [value]:
+                    if t is not None:
+                        self.api.label(t, f"the {what} of {kind} {name or '<root>'}")
+        return handle
+
+    def poll(self, handle: Handle) -> bool:
+        return handle.done is None or handle.done.query()
+
+    def wait(self, handle: Handle) -> None:
+        trace.waiting(handle.traced)
+        if handle.done is not None:
+            self.api.current_stream(self.device).wait_event(handle.done)
+        handle.done, handle.buffers = None, {}
+
+    def wait_host_copies(self) -> None:
+        self.api.current_stream(self.device).synchronize()
+
+    def all_gathers_wait_for(self, event: Any) -> None:
+        self.side["all_gather"].wait_event(event)
+
+    def _time(self, traced: trace.Event | None) -> None:
+        """While a trace records: when the collective completes, read later off a timing event
+        (the device runs behind the host, so we time against an event recorded once while
+        both were in step)."""
+        if traced is None:
+            return
+        if self._reference is None:
+            self.api.synchronize()
+            reference = self.api.Event(enable_timing=True)
+            reference.record()
+            reference.synchronize()
+            self._reference = (reference, time.perf_counter_ns())
+        end = self.api.Event(enable_timing=True)
+        end.record()
+        reference, host_ns = self._reference
+
+        def done_at() -> int:
+            end.synchronize()
+            return host_ns + int(reference.elapsed_time(end) * 1e6)
+
+        traced.done_at = done_at
+
+
+_streams: dict[tuple, Streams] = {}
 
 
 def streams_for(device: torch.device) -> Streams:
-    """One set of side streams per device, shared by every group in the process."""
-    streams = _streams.get(device)
-    if streams is None:
-        streams = _streams[device] = Streams(device)
-    return streams
+    """The streams of ``device`` (shared by every group in the process): CUDA's, simulated ones
+    while a ``sim`` checker runs, else the CPU's."""
+    checker = sim.current()
+    key = (device, id(checker))
+    if key not in _streams:
+        if device.type == "cuda":
+            _streams[key] = DeviceStreams(device, torch.cuda)
+        elif checker is not None:
+            _streams[key] = DeviceStreams(device, checker)
+        else:
+            _streams[key] = Streams(device)
+    return _streams[key]

@@ -19,14 +19,23 @@ Example::
     traces = t.gather()  # every rank calls this; rank 0 gets the list
     if traces:
         shardkit.timeline.write(traces, "timeline.json")
+
+Setting ``SHARDKIT_TRACE=<folder>`` traces the whole run: each rank writes ``rank<r>.txt`` and
+``rank<r>.json`` there at exit, and ``python -m shardkit timeline <folder>`` merges the ranks
+into ``timeline.json``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import re
 from pathlib import Path
 
+import torch.distributed as dist
+
+from shardkit.comm import trace
 from shardkit.comm.trace import COLLECTIVES, Event, Trace
 
 COMPUTE = "compute"
@@ -108,18 +117,14 @@ def _wall(t: Trace, ns: int) -> int:
 
 
 def _phase(e: Event, open_spans: dict, emit) -> None:
-    """Open or close a group's forward/backward span on a phase change (recomputation under
-    activation checkpointing stays inside the backward span)."""
-    event, change = e.detail.split(": ")
-    old, new = change.split(" -> ")
-    if event == "pre_forward" and new == "FORWARD":
-        open_spans[(e.group, "forward")] = e.t
-    elif event == "post_forward" and old == "FORWARD":
-        _close(e, "forward", open_spans, emit)
-    elif event == "pre_backward" and old != "PRE_BACKWARD":
-        open_spans[(e.group, "backward")] = e.t
-    elif event in ("post_backward", "finalize"):
-        _close(e, "backward", open_spans, emit)
+    """Open or close a group's forward/backward span when it enters or leaves FORWARD or
+    PRE_BACKWARD (recomputation under activation checkpointing stays inside the backward span)."""
+    old, new = e.detail.split(": ")[1].split(" -> ")
+    for phase, what in (("FORWARD", "forward"), ("PRE_BACKWARD", "backward")):
+        if old == phase and new != phase:
+            _close(e, what, open_spans, emit)
+        elif new == phase and old != phase:
+            open_spans[(e.group, what)] = e.t
 
 
 def _close(e: Event, what: str, open_spans: dict, emit) -> None:
@@ -167,3 +172,24 @@ def _meta(name: str, pid: int, tid: int | None, value: str) -> dict:
 def _slice(name: str, cat: str, pid: int, tid: int, start_us: float, end_us: float, args: dict) -> dict:
     return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
             "ts": round(start_us, 3), "dur": round(max(end_us - start_us, 0.0), 3), "args": args}
+
+
+def _trace_whole_run(folder: str) -> None:
+    """``SHARDKIT_TRACE=<folder>``: record from import to exit, then write this rank's files."""
+    t = trace.start()
+
+    def write_at_exit() -> None:
+        if not t.events:  # a process that ran no shardkit (``python -m shardkit timeline``, a
+            return  # launcher) would otherwise overwrite rank 0's files with an empty trace
+        t.resolve()
+        if t.rank is None:  # no collective ran after init_process_group
+            t.rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{t.rank}.txt").write_text(t.format(times=True) + "\n")
+        write([t], out / f"rank{t.rank}.json")
+
+    atexit.register(write_at_exit)
+
+if os.environ.get("SHARDKIT_TRACE"):
+    _trace_whole_run(os.environ["SHARDKIT_TRACE"])

@@ -6,25 +6,27 @@ expecttest), ``t.format(times=True)`` adds when each happened, and ``t.summary()
 calls and bytes per collective kind. ``comm/timeline.py`` turns the traces of all ranks into
 one Perfetto timeline. With no trace active, recording costs one truthiness check.
 
-Times are ``time.perf_counter_ns()`` on the host. A collective has three: ``t`` when it was
-issued, ``wait_ns`` when a hook started waiting for it, and ``done_ns`` when it completed
-(CPU: the work's completion callback; CUDA: its side stream's timing events, read once the
-trace ends). ``done_ns - wait_ns``, when positive, is communication the compute did not hide.
+Events, one line each: ``phase`` (a rule of the schedule fired), ``unshard`` / ``reshard``, a
+collective issued (``all_gather``, ``reduce_scatter``, ``all_reduce``), and ``wait``: the
+runtime waited for a collective and took its results (copy-out, or the gradients handed to
+``.grad``). Every collective gets exactly one ``wait`` line, so a trace pins when each one is
+finished as well as when it is issued.
 
-Setting ``SHARDKIT_TRACE=<folder>`` traces the whole run: each rank writes
-``rank<r>.txt`` and ``rank<r>.json`` there at exit, and
-``python -m shardkit timeline <folder>`` merges the ranks into ``timeline.json``.
+Times are ``time.perf_counter_ns()`` on the host. A collective has three: ``t`` when it was
+issued, ``wait_ns`` when the runtime started waiting for it, and ``done_ns`` when it
+completed (CPU: the work's completion callback; CUDA: a timing event on its side stream,
+read through ``done_at`` once the trace ends; ``comm/streams.py`` sets both).
+``done_ns - wait_ns``, when positive, is communication the compute did not hide.
+
+Setting ``SHARDKIT_TRACE=<folder>`` traces the whole run (``comm/timeline.py``).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,17 +39,17 @@ MAX_EVENTS = 1_000_000  # per trace; later events are counted in ``Trace.dropped
 class Event:
     """One thing that happened: a phase change, an unshard/reshard, or a collective."""
 
-    kind: str  # "phase", "unshard", "reshard", or one of COLLECTIVES
+    kind: str  # "phase", "unshard", "reshard", "wait", or one of COLLECTIVES
     group: str  # the group's module FQN ("" for the root module)
-    detail: str = ""  # "pre_forward: IDLE -> FORWARD" for phases; "via all_reduce", ...
+    detail: str = ""  # "pre_forward: IDLE -> FORWARD" for phases; "via all_reduce"; a wait's collective
     dtype: torch.dtype | None = None
     numel: int = 0  # elements of the whole (unsharded side) buffer of a collective
     world: int = 1  # ranks taking part in a collective
     mesh_dim: str = ""  # the mesh dimension a collective runs over ("dp", "shard", "replicate", ...)
     t: int = 0  # perf_counter_ns when it happened (a collective: when it was issued)
     wait_ns: int = 0  # a collective: when a hook started waiting for it (0: not yet)
-    done_ns: int = 0  # a collective: when that wait returned (0: not yet)
-    cuda_events: tuple | None = None  # CUDA: (start, end) timing events, resolved by the trace
+    done_ns: int = 0  # a collective: when it completed (0: not yet)
+    done_at: Callable[[], int] | None = None  # CUDA: reads done_ns off a timing event (``resolve``)
 
     @property
     def exposed_ns(self) -> int:
@@ -65,6 +67,8 @@ class Event:
             dtype = str(self.dtype).removeprefix("torch.")
             via = f" {self.detail}" if self.detail else ""
             return f"{self.kind} {name} {dtype} numel={self.numel} world={self.world} mesh={self.mesh_dim}{via}"
+        if self.kind == "wait":
+            return f"wait {self.detail} {name}"
         if self.detail:
             return f"{self.kind} {name} {self.detail}"
         return f"{self.kind} {name}"
@@ -86,7 +90,6 @@ class Trace:
         self.events: list[Event] = []
         self.dropped = 0  # events past MAX_EVENTS
         self.rank: int | None = dist.get_rank() if dist.is_initialized() else None  # else at the first event
-        self.cuda_reference: tuple | None = None  # (event, host ns) recorded together, for ``resolve``
         # perf_counter is per machine; the wall clock lines ranks on several machines up.
         self.start_ns = time.perf_counter_ns()
         self.start_wall_ns = time.time_ns()
@@ -125,17 +128,11 @@ class Trace:
         return "\n".join(lines)
 
     def resolve(self) -> None:
-        """Turn CUDA timing events into host times (synchronizes the device once)."""
-        pending = [e for e in self.events if e.cuda_events is not None]
-        if not pending:
-            return
-        torch.cuda.synchronize()
-        reference, host_ns = self.cuda_reference
-        for e in pending:
-            # The device runs behind the host: completion is timed against an event recorded
-            # while both were idle together, not against the host's issue time.
-            e.done_ns = host_ns + int(reference.elapsed_time(e.cuda_events[1]) * 1e6)
-            e.cuda_events = None
+        """Read the completion times the device still holds (CUDA timing events; this waits
+        for them). A no-op on the CPU."""
+        for e in self.events:
+            if e.done_at is not None:
+                e.done_ns, e.done_at = e.done_at(), None
 
     def clear(self) -> None:
         self.events.clear()
@@ -181,9 +178,10 @@ def is_recording() -> bool:
 
 
 def waiting(event: Event | None) -> None:
-    """A hook starts waiting for the collective of ``event``."""
+    """The runtime starts waiting for the collective of ``event``: a ``wait`` line, and its time."""
     if event is not None:
         event.wait_ns = time.perf_counter_ns()
+        record("wait", event.group, event.kind)
 
 
 def done(event: Event | None) -> None:
@@ -202,23 +200,23 @@ def on_completion(event: Event | None, work) -> None:
         work.get_future().add_done_callback(lambda _: done(event))
 
 
-def cuda_reference() -> None:
-    """Give every active trace a timing event recorded when the device has caught up with
-    the host (one synchronize per trace), before its first CUDA collective is timed."""
-    for t in _active:
-        if t.cuda_reference is None:
-            torch.cuda.synchronize()
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            event.synchronize()
-            t.cuda_reference = (event, time.perf_counter_ns())
-
-
 def label(kind: str, name: str) -> contextlib.AbstractContextManager:
     """A ``torch.profiler`` range ``shardkit::<kind> <group>`` while a profiler runs, else nothing."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(f"shardkit::{kind} {name or '<root>'}")
     return contextlib.nullcontext()
+
+
+def start() -> Trace:
+    """A trace that records until ``stop(t)`` (``trace()`` is the block form)."""
+    t = Trace()
+    _active.append(t)
+    return t
+
+
+def stop(t: Trace) -> None:
+    _active.remove(t)
+    t.resolve()
 
 
 @contextlib.contextmanager
@@ -232,35 +230,8 @@ def trace() -> Iterator[Trace]:
         print(t.format())
         print(t.summary()["all_gather"].calls)
     """
-    t = Trace()
-    _active.append(t)
+    t = start()
     try:
         yield t
     finally:
-        _active.remove(t)
-        t.resolve()
-
-
-def _trace_whole_run(folder: str) -> None:
-    """``SHARDKIT_TRACE=<folder>``: record from import to exit, then write this rank's files."""
-    t = Trace()
-    _active.append(t)
-
-    def write() -> None:
-        from shardkit.comm import timeline
-
-        if not t.events:  # a process that ran no shardkit (``python -m shardkit timeline``, a
-            return  # launcher) would otherwise overwrite rank 0's files with an empty trace
-        t.resolve()
-        if t.rank is None:  # no collective ran after init_process_group
-            t.rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{t.rank}.txt").write_text(t.format(times=True) + "\n")
-        timeline.write([t], out / f"rank{t.rank}.json")
-
-    atexit.register(write)
-
-
-if os.environ.get("SHARDKIT_TRACE"):
-    _trace_whole_run(os.environ["SHARDKIT_TRACE"])
+        stop(t)

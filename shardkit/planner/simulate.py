@@ -26,7 +26,7 @@ import torch
 
 from shardkit.planner.model import GroupInfo, ParamInfo
 from shardkit.planner.profile import Profile
-from shardkit.root import MAX_REDUCING
+from shardkit.schedule import MAX_REDUCING
 
 KINDS = ("unsharded parameters", "gradient buffers", "all-gather buffers", "sharded gradients")
 

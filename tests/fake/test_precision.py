@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import shardkit
 from shardkit import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from shardkit.param_group import Storage
 from tests.conftest import TanhStack, fake_world
 
 BF16 = torch.bfloat16
@@ -171,7 +172,7 @@ def test_reshard_after_forward_int_without_grad_frees_everything():
         with torch.no_grad():
             net(torch.randn(2, 16))
         group = net.blocks[0]._shardkit().group
-        assert not group._holds_post_forward and not group._holds_data
+        assert not group.holds_post_forward and group.storage is Storage.SHARDED
 
 
 def test_set_reshard_after_forward_bool_replaces_the_int():

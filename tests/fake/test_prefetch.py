@@ -6,6 +6,7 @@ from expecttest import assert_expected_inline
 
 import shardkit
 from shardkit import fully_shard
+from shardkit.param_group import Storage
 from tests.conftest import TanhStack, fake_world
 
 
@@ -51,7 +52,7 @@ def test_four_block_schedule_prefetches_the_next_group_in_both_directions():
         step(net)  # the first forward records the order the second one prefetches in
         t = step(net)
     assert_expected_inline(schedule(t), """\
-> pre_forward <root>
+> start_forward <root>
     all_gather <root>
     got <root>
     all_gather blocks.0
@@ -70,7 +71,7 @@ def test_four_block_schedule_prefetches_the_next_group_in_both_directions():
 > pre_forward blocks.3
     got blocks.3
 > post_forward blocks.3
-> post_forward <root>
+> end_forward <root>
 > pre_backward <root>
     all_gather blocks.3
 > pre_backward blocks.3
@@ -98,7 +99,7 @@ def test_four_block_schedule_prefetches_the_next_group_in_both_directions():
 
 def gathered_blocks(net: TanhStack) -> list[int]:
     """Blocks whose all-gather is issued or whose unsharded data is held."""
-    return [i for i, b in enumerate(net.blocks) if b._shardkit().group._pending or b._shardkit().group._holds_data]
+    return [i for i, b in enumerate(net.blocks) if b._shardkit().group.storage is not Storage.SHARDED]
 
 
 def test_at_most_two_block_all_gathers_in_flight_and_none_after_the_step():
@@ -127,7 +128,7 @@ def test_explicit_prefetch_lists_replace_the_implicit_order():
         step(net)
         t = step(net)
     lines = schedule(t).splitlines()
-    forward = lines[: lines.index("> post_forward <root>")]
+    forward = lines[: lines.index("> end_forward <root>")]
     backward = lines[len(forward):]
     assert forward[forward.index("> pre_forward blocks.0") :][:4] == [
         "> pre_forward blocks.0", "    got blocks.0", "    all_gather blocks.1", "    all_gather blocks.2"]

@@ -208,7 +208,7 @@ def test_fsdp2_knobs_without_effect_here_are_accepted():
         net.set_reduce_scatter_unused_params(False)
         net.set_requires_all_reduce(False)
         net.set_reduce_scatter_divide_factor(2.0)
-        assert net.__dict__["_shardkit_state"].group.gradient_divide_factor == 2.0
+        assert net.__dict__["_shardkit_state"].options.gradient_divide_factor == 2.0
         assert step(net).summary()["reduce_scatter"].calls == 4
 
 

@@ -55,47 +55,58 @@ def thread_names(doc: dict, pid: int = 0) -> list[str]:
 def test_three_block_step_trace_lists_every_phase_change_and_collective():
     t = traced_step()
     assert_expected_inline(t.format(), """\
-phase <root> pre_forward: IDLE -> FORWARD
+phase <root> start_forward: IDLE -> FORWARD
 all_gather <root> float32 numel=108 world=4 mesh=dim0
+wait all_gather <root>
 unshard <root>
 all_gather blocks.0 float32 numel=72 world=4 mesh=dim0
 phase blocks.0 pre_forward: IDLE -> FORWARD
+wait all_gather blocks.0
 unshard blocks.0
 all_gather blocks.1 float32 numel=72 world=4 mesh=dim0
-reshard blocks.0
 phase blocks.0 post_forward: FORWARD -> IDLE
+reshard blocks.0
 phase blocks.1 pre_forward: IDLE -> FORWARD
+wait all_gather blocks.1
 unshard blocks.1
 all_gather blocks.2 float32 numel=72 world=4 mesh=dim0
-reshard blocks.1
 phase blocks.1 post_forward: FORWARD -> IDLE
+reshard blocks.1
 phase blocks.2 pre_forward: IDLE -> FORWARD
+wait all_gather blocks.2
 unshard blocks.2
-reshard blocks.2
 phase blocks.2 post_forward: FORWARD -> IDLE
-phase <root> post_forward: FORWARD -> IDLE
+reshard blocks.2
+phase <root> end_forward: FORWARD -> IDLE
 phase <root> pre_backward: IDLE -> PRE_BACKWARD
 all_gather blocks.2 float32 numel=72 world=4 mesh=dim0
 phase blocks.2 pre_backward: IDLE -> PRE_BACKWARD
+wait all_gather blocks.2
 unshard blocks.2
 all_gather blocks.1 float32 numel=72 world=4 mesh=dim0
 phase blocks.2 post_backward: PRE_BACKWARD -> POST_BACKWARD
 reduce_scatter blocks.2 float32 numel=80 world=4 mesh=dim0
 reshard blocks.2
 phase blocks.1 pre_backward: IDLE -> PRE_BACKWARD
+wait all_gather blocks.1
 unshard blocks.1
 all_gather blocks.0 float32 numel=72 world=4 mesh=dim0
 phase blocks.1 post_backward: PRE_BACKWARD -> POST_BACKWARD
 reduce_scatter blocks.1 float32 numel=80 world=4 mesh=dim0
 reshard blocks.1
+wait reduce_scatter blocks.2
 phase blocks.0 pre_backward: IDLE -> PRE_BACKWARD
+wait all_gather blocks.0
 unshard blocks.0
 phase blocks.0 post_backward: PRE_BACKWARD -> POST_BACKWARD
 reduce_scatter blocks.0 float32 numel=80 world=4 mesh=dim0
 reshard blocks.0
+wait reduce_scatter blocks.1
 phase <root> post_backward: PRE_BACKWARD -> POST_BACKWARD
 reduce_scatter <root> float32 numel=124 world=4 mesh=dim0
 reshard <root>
+wait reduce_scatter blocks.0
+wait reduce_scatter <root>
 phase <root> finalize: POST_BACKWARD -> IDLE
 phase blocks.0 finalize: POST_BACKWARD -> IDLE
 phase blocks.1 finalize: POST_BACKWARD -> IDLE
@@ -105,7 +116,7 @@ phase blocks.2 finalize: POST_BACKWARD -> IDLE""")
 def test_format_with_times_starts_lines_with_milliseconds_and_ends_collectives_with_their_wait():
     t = traced_step()
     lines = t.format(times=True).splitlines()
-    assert len(lines) == len(t.events) == 45
+    assert len(lines) == len(t.events) == 56  # 45 phase changes, unshards, reshards and collectives, 11 waits
     assert all(re.match(r" *\d+\.\d{3} ms  \S", line) for line in lines), lines
     times = [float(line.split(" ms")[0]) for line in lines]
     assert times == sorted(times) and times[0] >= 0

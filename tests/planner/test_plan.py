@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardkit
 from shardkit import MixedPrecisionPolicy, fully_shard
 from shardkit.planner.simulate import persistent_state, simulate
-from shardkit.root import state_of
+from shardkit.state import state_of
 from tests.conftest import TanhStack, fake_world
 
 DIM = 8
@@ -148,9 +148,9 @@ def test_apply_plan_shards_as_planned_and_the_trace_agrees():
         torch.manual_seed(0)
         net = shardkit.apply_plan(stack(4), p, mesh=mesh)
         for block in net.blocks:
-            assert state_of(block).reshard_after_forward is False
-        assert state_of(net.blocks[0]).forward_prefetch == [state_of(net.blocks[i]) for i in (1, 2)]
-        assert state_of(net.blocks[3]).backward_prefetch == [state_of(net.blocks[i]) for i in (2, 1)]
+            assert state_of(block).options.reshard_after_forward is False
+        assert state_of(net.blocks[0]).options.forward_prefetch == [state_of(net.blocks[i]) for i in (1, 2)]
+        assert state_of(net.blocks[3]).options.backward_prefetch == [state_of(net.blocks[i]) for i in (2, 1)]
         net(torch.randn(4, DIM)).sum().backward()
         with shardkit.trace() as t:
             net(torch.randn(4, DIM)).sum().backward()

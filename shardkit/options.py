@@ -1,0 +1,34 @@
+"""The knobs of a group and of a step, made by ``fully_shard`` and set by ``FSDPModule.set_*``.
+
+Both records exist from the ``fully_shard`` call on, so every ``set_*`` method works the same
+before and after the first forward; the runtime reads them each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GroupOptions:
+    """What one ``fully_shard`` call and its module's ``set_*`` methods ask of its group."""
+
+    reshard_after_forward: bool | None = None  # None: True, except for the root (decided at lazy init)
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True  # False: backward needs no parameter values (an embedding)
+    requires_gradient_sync: bool = True  # False: accumulate unreduced gradients locally
+    requires_all_reduce: bool = True  # HSDP: False keeps the reduce-scatter sums for a later backward
+    gradient_divide_factor: float | None = None  # None: the data-parallel world size
+    forward_prefetch: list | None = None  # groups to all-gather after this one in forward; None: the next
+    backward_prefetch: list | None = None  # ... in backward; None: the previous one in forward order
+
+
+@dataclass
+class RootOptions:
+    """What a whole step asks, set on the root. Every module has its own until the root's
+    lazy init makes the root's the one its whole tree shares (as FSDP2's state context)."""
+
+    is_last_backward: bool = True  # False: the next backward is not the last of the step (microbatches)
+    lockstep: bool = False  # agree on every collective first (shardkit/lockstep.py)
+    post_optim_event: Any = None  # the next forward's all-gathers wait for it, then drop it

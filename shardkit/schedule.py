@@ -1,0 +1,309 @@
+"""The root's schedule: what each hook event does, for every group under one root.
+
+The module hooks (``hooks.py``) are adapters: a forward call starts or ends, a gradient
+reaches a group's outputs or inputs, backward ends. Each reaches the root's ``Schedule``,
+which names it as an ``Event`` of one group (whether the call opens the forward pass, is a
+recomputation, leaves other calls open), looks ``(phase, event)`` up in ``state.RULES``,
+enters the next phase and runs the rule's actions: the methods below of the same names.
+The schedule also owns what spans groups: the orders prefetching follows, the reductions in
+flight, the end of the forward pass (``close_pass``) and of backward (``end_backward``).
+``lockstep.py`` is a variant of it: agree with the other ranks, then act.
+
+Prefetch: a group's pre-forward issues the all-gather of the group that came after it in the
+last forward (if this forward has followed that order so far); its pre-backward issues the
+all-gather of the group whose forward finished before its own. Explicit lists
+(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace that choice.
+
+Reductions: a group's reduce-scatter is issued at its post-backward and finished at a later
+group's post-backward once it has completed, with at most ``MAX_REDUCING`` in flight; the
+end of backward finishes the rest before the optimizer step.
+
+Tied: a weight shared by two groups (an embedding tied to an output head sharded by another
+call) belongs to the group that sharded it first, the owner; the other group registers the
+same parameter and unshards the owner's group around its own forward and backward. Autograd
+sums both uses into the one unsharded ``.grad``; the owner reduces it once, after every
+group using it has passed its post-backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from shardkit.comm import trace
+from shardkit.comm.streams import streams_for
+from shardkit.param_group import ParamGroup, Storage
+from shardkit.state import Action, Event, GroupState, Phase, Root, rule_for
+from shardkit.tensors import on_input_grads, on_output_grads, to_device
+
+MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
+
+
+@dataclass
+class Call:
+    """What a hook hands the schedule: the module called, its inputs or its output (actions
+    may replace them: cast, moved to the device, passed through the post-backward node)."""
+
+    module: nn.Module | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+
+
+@dataclass
+class Orders:
+    forward: list[GroupState] = field(default_factory=list)  # pre-forward order of the last pass
+    seen: list[GroupState] = field(default_factory=list)  # ... and of this pass so far
+    post_forward: list[GroupState] = field(default_factory=list)  # backward prefetch walks it back
+
+
+class Schedule:
+    uses_post_forward_shards = True  # reshard_after_forward=R keeps 1/R for backward
+
+    def __init__(self, states: list[GroupState], device: torch.device, root: Root) -> None:
+        self.states = states  # every group under the root, in module order: the root first
+        self.device = device
+        self.root = root  # the step's options, shared by every state under the root
+        self.orders = Orders()
+        self.forward_root: GroupState | None = None  # whose call opened the forward pass
+        self.in_backward = False  # the end-of-backward callback is queued
+        self.reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
+        # Offloaded gradients are copied to pinned host memory asynchronously: synced at the end.
+        self.offloads = any(p.pin_memory for s in states if s.group for p in s.group.params)
+
+    # Events ------------------------------------------------------------------------------------
+    def pre_forward(self, state: GroupState, call: Call) -> None:
+        if self.in_backward:
+            event = Event.RECOMPUTE
+        else:
+            event = Event.START_FORWARD if self.forward_root is None else Event.PRE_FORWARD
+        self.fire(state, event, call)
+
+    def post_forward(self, state: GroupState, call: Call) -> None:
+        step = state.step
+        if step.phase is not Phase.FORWARD:
+            event = Event.POST_FORWARD  # the end of a recomputation
+        elif step.calls > 1 or step.to_run - {call.module}:
+            event = Event.INNER_POST_FORWARD
+        else:
+            event = Event.END_FORWARD if self.forward_root is state else Event.POST_FORWARD
+        self.fire(state, event, call)
+
+    def pre_backward(self, state: GroupState, grad: torch.Tensor) -> None:
+        self.fire(state, Event.PRE_BACKWARD)
+
+    def post_backward(self, state: GroupState) -> None:
+        self.fire(state, Event.POST_BACKWARD)
+
+    def fire(self, state: GroupState, event: Event, call: Call | None = None) -> None:
+        """The one writer of a group's phase: enter the rule's phase, then run its actions."""
+        old = state.step.phase
+        rule = rule_for(old, event, state.name)
+        state.step.phase = rule.next
+        if trace.is_recording() and (rule.actions or rule.next is not old):
+            trace.record("phase", state.name, f"{event.value}: {old.value} -> {rule.next.value}")
+        for action in rule.actions:
+            getattr(self, action.value)(state, call)
+
+    def end_backward(self) -> None:
+        """The final autograd callback: reduce what did not reduce, finish every reduction (the
+        optimizer step comes next), every group back to IDLE."""
+        for state in reversed(self.states):  # backward order: blocks last-to-first, root last
+            if state.step.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
+                self.fire(state, Event.POST_BACKWARD)
+        for state in self.states:
+            if state.step.deferred_reduce:  # the groups using its tied weights never ran backward
+                state.step.deferred_reduce = False
+                self._reduce(state)
+        self._pass_ends()
+        for group in self.reducing:
+            group.finish_reduce()
+        self.reducing = []
+        if self.offloads:
+            streams_for(self.device).wait_host_copies()
+        for state in self.states:
+            self.fire(state, Event.FINALIZE)
+        self.in_backward = False
+        if self.root.options.is_last_backward:
+            self.orders.post_forward.clear()
+            for state in self.states:
+                state.step.backward_index.clear()
+
+    def reset(self) -> None:
+        """After an exception in forward or backward (``reset_iter_state``)."""
+        for state in self.states:
+            self.fire(state, Event.RESET)
+        self.forward_root, self.in_backward = None, False
+        self.orders.seen.clear()
+        self.orders.post_forward.clear()
+        self.reducing = []
+
+    # Forward actions ---------------------------------------------------------------------------
+    def open_pass(self, state: GroupState, call: Call) -> None:
+        self.forward_root = state
+        if self.device.type != "cpu":  # like DDP and FSDP2
+            call.args, call.kwargs = to_device((call.args, call.kwargs), self.device)
+        event, self.root.options.post_optim_event = self.root.options.post_optim_event, None
+        if event is not None:
+            streams_for(self.device).all_gathers_wait_for(event)
+
+    def begin_calls(self, state: GroupState, call: Call) -> None:
+        state.step.calls, state.step.to_run = 1, set(state.modules)
+
+    def enter(self, state: GroupState, call: Call) -> None:
+        state.step.calls += 1
+
+    def leave(self, state: GroupState, call: Call) -> None:
+        state.step.calls -= 1
+        state.step.to_run.discard(call.module)
+
+    def unshard(self, state: GroupState, call: Call | None) -> None:
+        for group_state in (state, *state.links.borrowed):
+            self._gather(group_state)
+
+    def prefetch_forward(self, state: GroupState, call: Call) -> None:
+        orders = self.orders
+        orders.seen.append(state)
+        if state.options.forward_prefetch is not None:
+            targets = state.options.forward_prefetch
+        else:
+            i, order = len(orders.seen), orders.forward
+            targets = order[i : i + 1] if len(order) >= i and order[i - 1] is state else ()
+        for target in targets:
+            self._prefetch(target)
+
+    def hook_inputs(self, state: GroupState, call: Call) -> None:
+        if state.group is not None and torch.is_grad_enabled():
+            call.args, call.kwargs = on_input_grads(call.args, call.kwargs, functools.partial(self.post_backward, state))
+
+    def reshard_after_forward(self, state: GroupState, call: Call) -> None:
+        group, reshard = state.group, state.options.reshard_after_forward
+        if group is not None and not any(b.step.phase is Phase.FORWARD for b in state.links.borrowers):
+            if reshard and group.meshes[1] is not None and self.uses_post_forward_shards and torch.is_grad_enabled():
+                group.reshard_to_post_forward()  # keep 1/R for the backward all-gather among R ranks
+            elif reshard:
+                group.reshard()
+            elif not torch.is_grad_enabled():
+                # No backward follows, so the step is over: the module shows its sharded
+                # parameters again, and keeps the gathered data for the next forward.
+                group.reshard(free=False)
+        for owner in state.links.borrowed:  # done with the tied weights, unless their group runs
+            if owner.step.phase is not Phase.FORWARD and owner.options.reshard_after_forward:
+                owner.group.reshard()
+
+    def hook_outputs(self, state: GroupState, call: Call) -> None:
+        if not torch.is_grad_enabled():
+            return  # no backward follows
+        if not self.in_backward:  # a recomputation keeps the forward's order
+            state.step.backward_index.append(len(self.orders.post_forward))
+            self.orders.post_forward.append(state)
+        on_output_grads(call.output, functools.partial(self.pre_backward, state))
+
+    def close_pass(self, state: GroupState, call: Call) -> None:
+        for other in self.states:
+            if other.step.phase is Phase.FORWARD:  # a group of several modules that ran in part
+                self.fire(other, Event.POST_FORWARD, call)
+            elif other.group is not None and other.group.storage is Storage.GATHERING:
+                other.group.reshard()  # prefetched, then not run
+        self.forward_root = None
+        self.orders.forward, self.orders.seen = self.orders.seen, []
+        self._pass_ends()
+
+    # Backward actions --------------------------------------------------------------------------
+    def queue_finalize(self, state: GroupState, call: None) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+
+    def unshard_for_backward(self, state: GroupState, call: None) -> None:
+        if state.options.unshard_in_backward:
+            self._gather(state)
+        for owner in state.links.borrowed:
+            self._gather(owner)
+
+    def prefetch_backward(self, state: GroupState, call: None) -> None:
+        if state.options.backward_prefetch is not None:
+            targets = state.options.backward_prefetch
+        elif state.step.backward_index:
+            i = state.step.backward_index.pop()
+            targets = self.orders.post_forward[i - 1 : i] if i > 0 else ()
+        else:
+            targets = ()
+        for target in targets:
+            self._prefetch(target, backward=True)
+
+    def reduce(self, state: GroupState, call: None) -> None:
+        if state.group is not None:
+            if any(b.step.phase is not Phase.POST_BACKWARD for b in state.links.borrowers):
+                state.step.deferred_reduce = True  # a group using our tied weights still adds gradients
+            else:
+                self._reduce(state)
+        for owner in state.links.borrowed:
+            if owner.step.deferred_reduce and all(b.step.phase is Phase.POST_BACKWARD for b in owner.links.borrowers):
+                owner.step.deferred_reduce = False
+                self._reduce(owner, reshard=owner.step.phase is not Phase.PRE_BACKWARD)
+
+    def end_step(self, state: GroupState, call: None) -> None:
+        state.step.calls, state.step.to_run = 0, set()
+        if state.group is not None and state.group.storage is Storage.GATHERING:
+            state.group.reshard()  # prefetched, then not used
+
+    def drop_step(self, state: GroupState, call: None) -> None:
+        step = state.step
+        step.calls, step.to_run, step.deferred_reduce = 0, set(), False
+        step.backward_index.clear()
+        if state.group is not None:
+            state.group.finish_reduce(keep=False)
+            state.group.reshard()
+            for p in state.group.params:
+                if p.unsharded_param is not None:
+                    p.unsharded_param.grad = None
+                p.accumulated_grad = None
+
+    # Collectives (what the lockstep variant agrees on first) -----------------------------------
+    def _gather(self, state: GroupState) -> None:
+        """Unshard ``state``'s group and wait for it."""
+        if state.group is not None:
+            state.group.unshard()
+            state.group.wait_for_unshard()
+
+    def _prefetch(self, target: GroupState, backward: bool = False) -> None:
+        """Issue ``target``'s all-gather early; its own hook waits for it."""
+        if target.group is not None and (target.options.unshard_in_backward or not backward):
+            target.group.unshard()
+
+    def _reduce(self, state: GroupState, reshard: bool = True) -> None:
+        """Issue the group's reductions, reshard it, and finish the reductions that completed
+        meanwhile in issue order (the oldest anyway if more than MAX_REDUCING are in flight)."""
+        group = state.group
+        group.reduce_gradients()
+        if any(b.step.phase is Phase.PRE_BACKWARD for b in state.links.borrowers):
+            reshard = False  # that group's backward may still read the tied weights
+        if reshard and group.options.reshard_after_backward:
+            group.reshard()
+        reducing = self.reducing
+        reducing.append(group)
+        done = []
+        for g in reducing:  # in issue order, stopping at the first not done
+            done.append(g.reduce_done())
+            if not done[-1]:
+                break
+        while len(reducing) > MAX_REDUCING or (len(reducing) > 1 and done and done[0]):
+            done.pop(0)
+            reducing.pop(0).finish_reduce()
+
+    def _pass_ends(self) -> None:
+        """This rank's forward pass or backward is over (lockstep: serve the other ranks)."""
+
+    def variant(self, cls: type["Schedule"]) -> "Schedule":
+        """The same schedule, as another variant (``set_lockstep`` between steps)."""
+        if self.forward_root is not None or self.in_backward:
+            raise RuntimeError("shardkit: set_lockstep() must be called between steps, not during forward or backward")
+        new = cls.__new__(cls)
+        new.__dict__.update(self.__dict__)
+        return new
