@@ -10,7 +10,7 @@ ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo bench test accept clean distclean
+.PHONY: venv demo bench test test-sim gpu-check accept clean distclean
 
 venv: $(STAMP)
 
@@ -32,8 +32,25 @@ demo: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/bench.py $(ARGS)
 
+# Every test, then the fake-process-group and gloo parity tiers once more with SHARDKIT_STREAMS=sim:
+# shardkit takes its CUDA path on simulated streams, and every tensor access is checked for
+# races (shardkit/comm/sim.py); each process prints "sim streams: N accesses checked, ...".
+SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
+	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
+	tests/gloo/test_checkpoint.py
+
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests
+	$(MAKE) --no-print-directory test-sim
+
+test-sim: $(STAMP)
+	SHARDKIT_STREAMS=sim OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(SIM_TESTS)
+
+# On a machine with a GPU: the tests/gpu tier, NCCL world-1 parity, overlap, memory and step time
+# next to FSDP2 (benchmarks/gpu_check.py). Run it first whenever a GPU is lent.
+gpu-check: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests/gpu
+	$(VENV)/bin/python benchmarks/gpu_check.py
 
 # Regenerate the expecttest strings pinned in the tests.
 accept: $(STAMP)

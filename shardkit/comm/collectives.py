@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.comm import check, trace
-from shardkit.comm.streams import Handle, Streams
+from shardkit.comm.streams import Collective, Handle, Streams
 from shardkit.dtensor.sharded_param import ShardedParam, alloc_storage
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
@@ -154,14 +154,15 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
     traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "all_gather", name, bucket.dtype, numel, comm.world)
 
+    inputs = bucket.inputs()
+
     def launch(async_op: bool):
-        inputs = bucket.inputs()
         send = _copy_in(bucket, inputs)  # (per_rank,)
         output = bucket.columns[0].view(-1) if bucket.in_place else send.new_empty(numel)  # (world * per_rank,)
         work = _all_gather_single(output, send, group=comm.group, async_op=async_op)
-        return work, {"input": send, "output": output, "shards": inputs}
+        return work, {"input": send, "output": output}
 
-    handle = comm.streams.issue("all_gather", name, launch, traced)
+    handle = comm.streams.issue(Collective("all_gather", name, traced), {"shards": inputs}, launch)
     return PendingAllGather(bucket, handle, handle.buffers["output"])
 
 
@@ -248,9 +249,9 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         else:
             chunk = send.new_empty(bucket.per_rank + n)
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
-        return work, {"input": send, "output": chunk, "unsharded gradients": grads}
+        return work, {"input": send, "output": chunk}
 
-    handle = comm.streams.issue("reduce_scatter", name, launch, traced)
+    handle = comm.streams.issue(Collective("reduce_scatter", name, traced), {"unsharded gradients": grads}, launch)
     chunk = handle.buffers["output"]
     handles = [handle]
     if how.partial is not None or how.replicate is not None:
@@ -292,12 +293,13 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
         if how.partial is not None:
             chunk.add_(how.partial)
         if replicate is None:
-            return None, {"partial sums": how.partial}
+            return None, {}
         check.before(replicate.group, "all_reduce", name, chunk.dtype, chunk.numel(), replicate.world)
         work = dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=replicate.group, async_op=async_op)
-        return work, {"buffer": chunk, "partial sums": how.partial}
+        return work, {}
 
-    return streams.issue("all_reduce", name, launch, traced, after=first)
+    inputs = {"buffer": chunk, "partial sums": how.partial}
+    return streams.issue(Collective("all_reduce", name, traced), inputs, launch, after=first)
 
 
 def reduce_done(pending: PendingReduction) -> bool:

@@ -35,6 +35,7 @@ import functools
 import itertools
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -99,12 +100,14 @@ class SimEvent:
         self.checker = checker
         self.stream: str | None = None
         self.clock: dict[str, int] = {}
+        self.host_ns = 0  # the work before it ran at once: it completed when recorded
         if stream is not None:
             self.record(stream)
 
     def record(self, stream: SimStream | None = None) -> None:
         stream = stream or self.checker.current
         self.stream, self.clock = stream.name, dict(stream.clock)
+        self.host_ns = time.perf_counter_ns()
 
     def query(self) -> bool:
         return True
@@ -113,7 +116,7 @@ class SimEvent:
         pass
 
     def elapsed_time(self, other: "SimEvent") -> float:
-        return 0.0
+        return (other.host_ns - self.host_ns) / 1e6  # milliseconds, as CUDA's
 
 
 @dataclass
@@ -214,8 +217,8 @@ class Checker(TorchDispatchMode):
         if storage.device.type == "meta":
             return None
         buffer = self._buffers.get(id(storage))
-        if buffer is None:  # made before the checker started: on the compute stream
-            buffer = self._track(storage, f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor", self.compute)
+        if buffer is None:  # made where the checker could not see it: on the current stream
+            buffer = self._track(storage, f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor", self.current)
         return buffer
 
     def _track(self, storage, label: str, stream: SimStream) -> _Buffer:
@@ -298,7 +301,7 @@ class Checker(TorchDispatchMode):
     def _race_free(self, buffer: _Buffer, stream: SimStream, other: str, what: str) -> None:
         self.races += 1
         raise StreamRace(
-            f"shardkit sim streams: {buffer.label} was freed while stream '{other}' may still use it "
+            f"shardkit sim streams: the memory of {buffer.label} was freed while stream '{other}' may still use it "
             f"(its {what} there is not ordered before stream '{stream.name}'), and stream "
             f"'{stream.name}', which allocated it, has allocated again: the caching allocator may "
             f"hand the memory out to new work.\nMissing edge: {other} -> {stream.name}: keep a "

@@ -1,7 +1,7 @@
 """Where collectives run and how the compute waits for them: the one file that knows the device.
 
-Every collective is issued through ``Streams.issue(kind, launch, ...)``, which returns a
-``Handle``: ``poll()`` says without blocking whether it has completed, ``wait()`` orders the
+Every collective is issued through ``Streams.issue(collective, inputs, launch)``, which
+returns a ``Handle``: ``poll()`` says without blocking whether it has completed, ``wait()`` orders the
 compute after it, and until then the handle keeps every buffer the collective uses alive.
 The callers (``comm/collectives.py``) take the same steps on every device, with the copy-out
 after ``wait()`` on the compute stream; only the ``Streams`` object differs:
@@ -40,6 +40,7 @@ computes). Until ``wait()``, its handle holds every buffer it reads or writes (`
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -50,19 +51,28 @@ from shardkit.comm import check, sim, trace
 _FakeWork = getattr(torch._C._distributed_c10d, "FakeWork", ())
 KINDS = trace.COLLECTIVES  # all_gather, reduce_scatter, all_reduce: one side stream each
 
-# Copy-in and start one collective with ``async_op``; return its work and its buffers by name
-# (a tensor or a list of them).
+# Copy-in and start one collective with ``async_op``; return its work and the buffers it
+# made, by name (a tensor or a list of them).
 Launch = Callable[[bool], "tuple[dist.Work | None, dict[str, Any]]"]
+
+
+@dataclass
+class Collective:
+    """What is issued, for the trace, the profiler and the checker's errors."""
+
+    kind: str  # all_gather, reduce_scatter, all_reduce: the side stream it runs on
+    group: str  # the group's name
+    traced: trace.Event | None = None  # while a trace records
 
 
 class Handle:
     """One issued collective: ``poll()``, ``wait()``, and its buffers alive until then."""
 
-    __slots__ = ("streams", "kind", "name", "traced", "buffers", "done", "start")
+    __slots__ = ("streams", "what", "buffers", "done", "start")
 
-    def __init__(self, streams: "Streams", kind: str, name: str, traced: trace.Event | None) -> None:
-        self.streams, self.kind, self.name, self.traced = streams, kind, name, traced
-        self.buffers: dict[str, Any] = {}
+    def __init__(self, streams: "Streams", what: Collective, inputs: dict[str, Any]) -> None:
+        self.streams, self.what = streams, what
+        self.buffers = inputs  # by name: a tensor or a list of them
         self.done: Any = None  # CPU: the work; CUDA: an event on the side stream; None: nothing to wait for
         self.start: tuple[Handle, Launch] | None = None  # CPU: waiting for a collective to complete first
 
@@ -79,10 +89,11 @@ class Streams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def issue(self, kind: str, name: str, launch: Launch, traced: trace.Event | None = None, after: Handle | None = None) -> Handle:
-        """Start a ``kind`` collective of group ``name``; with ``after``, once that collective
-        has completed (an HSDP all-reduce continuing a reduce-scatter)."""
-        handle = Handle(self, kind, name, traced)
+    def issue(self, what: Collective, inputs: dict[str, Any], launch: Launch, after: Handle | None = None) -> Handle:
+        """Start a collective that reads ``inputs`` (what the compute stream made, by name);
+        with ``after``, once that collective has completed (an HSDP all-reduce continuing a
+        reduce-scatter)."""
+        handle = Handle(self, what, inputs)
         if after is None:
             self._start(handle, launch)
         else:  # started by poll() or wait(), in issue order on every rank
@@ -90,16 +101,18 @@ class Streams:
         return handle
 
     def _start(self, handle: Handle, launch: Launch) -> None:
-        with trace.label(handle.kind, handle.name):
-            handle.done, handle.buffers = launch(True)
-        trace.on_completion(handle.traced, handle.done)
+        what = handle.what
+        with trace.label(what.kind, what.group):
+            handle.done, made = launch(True)
+        handle.buffers.update(made)
+        trace.on_completion(what.traced, handle.done)
 
     def _start_after(self, handle: Handle) -> None:
         after, launch = handle.start
         handle.start = None
         self._block(after)
-        if handle.traced is not None:
-            handle.traced.t = time.perf_counter_ns()  # issued now
+        if handle.what.traced is not None:
+            handle.what.traced.t = time.perf_counter_ns()  # issued now
         self._start(handle, launch)
 
     def poll(self, handle: Handle) -> bool:
@@ -114,20 +127,20 @@ class Streams:
     def wait(self, handle: Handle) -> None:
         if handle.start is not None:
             self._start_after(handle)
-        trace.waiting(handle.traced)
+        trace.waiting(handle.what.traced)
         self._block(handle)
         handle.buffers = {}
 
     def _block(self, handle: Handle) -> None:
         if handle.done is None:
             return
-        with trace.label(f"wait_{handle.kind}", handle.name):
+        with trace.label(f"wait_{handle.what.kind}", handle.what.group):
             try:
                 handle.done.wait()
             except Exception as exc:  # a timeout or a dead peer: say what this rank had issued
                 raise check.failed(exc) from exc
         handle.done = None
-        trace.done(handle.traced)
+        trace.done(handle.what.traced)
 
     def wait_host_copies(self) -> None:
         """Wait for the copies to pinned host memory the device still runs (offloaded
@@ -148,30 +161,37 @@ class DeviceStreams(Streams):
         self.side = {kind: api.Stream(device, priority=-1) for kind in KINDS}
         self._reference: tuple[Any, int] | None = None  # an event and the host time it completed
 
-    def issue(self, kind: str, name: str, launch: Launch, traced: trace.Event | None = None, after: Handle | None = None) -> Handle:
-        handle = Handle(self, kind, name, traced)
-        stream = self.side[kind]
+    def issue(self, what: Collective, inputs: dict[str, Any], launch: Launch, after: Handle | None = None) -> Handle:
+        handle = Handle(self, what, inputs)
+        if isinstance(self.api, sim.Checker):
+            self._label(handle.buffers, what)  # name them in the checker's errors
+        stream = self.side[what.kind]
         stream.wait_stream(self.api.current_stream(self.device))  # see the Note
         if after is not None and after.done is not None:
             stream.wait_event(after.done)
-        with self.api.stream(stream), trace.label(kind, name):
-            _, handle.buffers = launch(False)  # synchronous on the side stream: NCCL orders it there
+        with self.api.stream(stream), trace.label(what.kind, what.group):
+            _, made = launch(False)  # synchronous on the side stream: NCCL orders it there
             handle.done = stream.record_event()
-            self._time(traced)
-        if isinstance(self.api, sim.Checker):  # name the buffers in its errors
-            for what, value in handle.buffers.items():
-                for t in value if isinstance(value, list) else [value]:
-                    if t is not None:
-                        self.api.label(t, f"the {what} of {kind} {name or '<root>'}")
+            self._time(what.traced)
+        if isinstance(self.api, sim.Checker):
+            self._label(made, what)
+        handle.buffers.update(made)
         return handle
+
+    def _label(self, buffers: dict[str, Any], what: Collective) -> None:
+        for name, value in buffers.items():
+            for t in value if isinstance(value, list) else [value]:
+                if t is not None:
+                    self.api.label(t, f"the {name} of {what.kind} {what.group or '<root>'}")
 
     def poll(self, handle: Handle) -> bool:
         return handle.done is None or handle.done.query()
 
     def wait(self, handle: Handle) -> None:
-        trace.waiting(handle.traced)
+        trace.waiting(handle.what.traced)
         if handle.done is not None:
-            self.api.current_stream(self.device).wait_event(handle.done)
+            with trace.label(f"wait_{handle.what.kind}", handle.what.group):
+                self.api.current_stream(self.device).wait_event(handle.done)
         handle.done, handle.buffers = None, {}
 
     def wait_host_copies(self) -> None:

@@ -6,6 +6,7 @@ from expecttest import assert_expected_inline
 
 import shardkit
 from shardkit import fully_shard
+from shardkit.comm.streams import Handle
 from shardkit.param_group import Storage
 from tests.conftest import TanhStack, fake_world
 
@@ -152,3 +153,46 @@ def test_a_forward_that_skips_a_block_frees_the_prefetched_group():
         assert "    all_gather blocks.1" in schedule(t)
         step(net)  # and the next step runs normally
         assert gathered_blocks(net) == []
+
+
+def reductions(t: shardkit.Trace) -> str:
+    """When each reduce-scatter is issued and when it is finished (waited for, handed to .grad)."""
+    keep = [e for e in t.events if e.kind == "reduce_scatter" or e.kind == "wait" and e.detail == "reduce_scatter"]
+    return "\n".join(str(e) for e in keep)
+
+
+def test_reduce_scatters_finish_once_done_at_the_next_post_backward():
+    with fake_world(4, 0) as mesh:
+        net = sharded(mesh)
+        step(net)
+        t = step(net)
+    assert_expected_inline(reductions(t), """\
+reduce_scatter blocks.3 float32 numel=80 world=4 mesh=dim0
+reduce_scatter blocks.2 float32 numel=80 world=4 mesh=dim0
+wait reduce_scatter blocks.3
+reduce_scatter blocks.1 float32 numel=80 world=4 mesh=dim0
+wait reduce_scatter blocks.2
+reduce_scatter blocks.0 float32 numel=80 world=4 mesh=dim0
+wait reduce_scatter blocks.1
+reduce_scatter <root> float32 numel=124 world=4 mesh=dim0
+wait reduce_scatter blocks.0
+wait reduce_scatter <root>""")
+
+
+def test_reduce_scatters_that_do_not_complete_finish_oldest_first_two_in_flight(monkeypatch):
+    monkeypatch.setattr(Handle, "poll", lambda self: False)  # a network slower than the compute
+    with fake_world(4, 0) as mesh:
+        net = sharded(mesh)
+        step(net)
+        t = step(net)
+    assert_expected_inline(reductions(t), """\
+reduce_scatter blocks.3 float32 numel=80 world=4 mesh=dim0
+reduce_scatter blocks.2 float32 numel=80 world=4 mesh=dim0
+reduce_scatter blocks.1 float32 numel=80 world=4 mesh=dim0
+wait reduce_scatter blocks.3
+reduce_scatter blocks.0 float32 numel=80 world=4 mesh=dim0
+wait reduce_scatter blocks.2
+reduce_scatter <root> float32 numel=124 world=4 mesh=dim0
+wait reduce_scatter blocks.1
+wait reduce_scatter blocks.0
+wait reduce_scatter <root>""")

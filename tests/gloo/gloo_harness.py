@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,15 +45,27 @@ class Case:
         return f"{self.check}-{self.impl}"
 
 
+# ``SHARDKIT_STREAMS=sim`` (make test's second run): shardkit takes its CUDA path over simulated
+# streams that check every access (shardkit/comm/sim.py). Only shardkit's cases run then; each
+# rank prints the checker's summary at exit, which the parent requires (see Outcomes).
+SIM = os.environ.get("SHARDKIT_STREAMS") == "sim"
+SIM_SUMMARY = re.compile(r"sim streams: (\d+) accesses checked, (\d+) cross-stream edges, (\d+) races")
+
+
 class Checks:
-    """A registry of ``fn(mesh, impl)`` checks, each run once per implementation given."""
+    """A registry of ``fn(mesh, impl)`` checks, each run once per implementation given.
+    ``sim=False``: not under simulated streams (torch.compile does not trace under the
+    checker's dispatch mode)."""
 
     def __init__(self) -> None:
         self._fns: dict[str, tuple[Callable[[DeviceMesh, str], None], tuple[str, ...]]] = {}
 
-    def __call__(self, *impls: str) -> Callable:
+    def __call__(self, *impls: str, sim: bool = True) -> Callable:
         def register(fn: Callable[[DeviceMesh, str], None]) -> Callable:
-            self._fns[fn.__name__] = (fn, impls or IMPLS)
+            if not SIM:
+                self._fns[fn.__name__] = (fn, impls or IMPLS)
+            elif sim and "shardkit" in (impls or IMPLS):
+                self._fns[fn.__name__] = (fn, ("shardkit",))
             return fn
 
         return register
@@ -123,7 +136,20 @@ class Outcomes:
                 problems.append(f"rank {rank}: no outcome ({why}); stderr tail:\n{self.stderr_tails[rank]}")
             elif outcome != PASSED:
                 problems.append(f"rank {rank}:\n{outcome}")
+        if SIM and not problems:
+            problems += [f"rank {rank}: {why}" for rank, why in enumerate(map(_sim_problem, self.stderr_tails)) if why]
         assert not problems, f"{case} failed\n" + "\n".join(problems)
+
+
+def _sim_problem(tail: str) -> str | None:
+    """What is wrong with a rank's simulated-streams summary, if anything."""
+    found = SIM_SUMMARY.findall(tail)
+    if not found:
+        return f"printed no 'sim streams: ...' summary; output tail:\n{tail}"
+    accesses, edges, races = map(int, found[-1])
+    if races or not accesses or not edges:
+        return f"sim streams: {accesses} accesses checked, {edges} cross-stream edges, {races} races"
+    return None
 
 
 def spawn_ranks(module_file: str, world: int, tmp: Path, timeout_s: float) -> Outcomes:
