@@ -1,0 +1,187 @@
+"""Every ``FSDPModule.set_*`` method called before the first forward takes effect in that
+forward's step, as it would after it (fake process group; what each changes is read off the
+trace, the schedule, or the reduction that was asked for)."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit
+from shardkit import FSDPModule, fully_shard
+from shardkit.comm import collectives, sim
+from shardkit.lockstep import LockstepSchedule
+from shardkit.param_group import Storage
+from tests.conftest import TanhStack, fake_world
+
+
+def sharded(mesh, n_blocks: int = 3) -> TanhStack:
+    torch.manual_seed(0)
+    net = TanhStack(n_blocks, dim=8)
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def first_step(net: nn.Module) -> shardkit.Trace:
+    with shardkit.trace() as t:
+        net(torch.randn(4, 8)).sum().backward()
+    return t
+
+
+def calls(t: shardkit.Trace, kind: str) -> Counter:
+    """Collectives of one kind per group."""
+    return Counter(e.group for e in t.collectives(kind))
+
+
+def backward_all_gathers(t: shardkit.Trace) -> list[str]:
+    """The groups all-gathered after the forward pass ended."""
+    start = next(i for i, e in enumerate(t.events) if e.kind == "phase" and "end_forward" in e.detail)
+    return [e.group for e in t.events[start:] if e.kind == "all_gather"]
+
+
+def test_every_set_method_is_called_here():
+    source = open(__file__).read()
+    missing = [name for name in dir(FSDPModule) if name.startswith("set_") and f'{name}(' not in source and f'"{name}"' not in source]
+    assert not missing
+
+
+def test_set_requires_gradient_sync_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.set_requires_gradient_sync(False)
+        t = first_step(net)
+    assert not t.collectives("reduce_scatter")
+    assert all(p.grad is None for p in net.parameters())  # kept unreduced until sync is back on
+
+
+def test_set_requires_all_reduce_before_the_first_forward():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_world(4):
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
+        net = sharded(mesh)
+        net.set_requires_all_reduce(False)
+        t = first_step(net)
+    assert len(t.collectives("reduce_scatter")) == 4 and not t.collectives("all_reduce")
+
+
+def test_set_reshard_after_forward_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.set_reshard_after_forward(False)
+        t = first_step(net)
+    assert backward_all_gathers(t) == []
+
+
+def test_set_unshard_in_backward_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 1))
+        for module in (net[0], net):
+            fully_shard(module, mesh=mesh)
+        net[0].set_unshard_in_backward(False)  # an embedding's backward needs no weights
+        with shardkit.trace() as t:
+            net(torch.randint(0, 10, (4,))).sum().backward()
+    assert calls(t, "all_gather") == {"": 1, "0": 1}  # forward only: nothing gathered for backward
+    assert calls(t, "reduce_scatter") == {"": 1, "0": 1}
+
+
+def test_set_lockstep_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.set_lockstep(True)
+        first_step(net)
+        t = first_step(net)  # a second step: prefetching would gather ahead by now
+    assert isinstance(net._shardkit().schedule, LockstepSchedule)
+    lines = [str(e) for e in t.events if e.kind in ("all_gather", "phase") and "finalize" not in e.detail]
+    for block in ("blocks.0", "blocks.1", "blocks.2"):  # gathered when its forward starts, not before
+        i = lines.index(f"phase {block} pre_forward: IDLE -> FORWARD")
+        assert lines[i + 1].startswith(f"all_gather {block} ")
+
+
+def test_set_reshard_after_backward_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.set_reshard_after_backward(False)
+        first_step(net)
+    assert all(m._shardkit().group.storage is Storage.UNSHARDED for m in (net, *net.blocks))
+
+
+def test_set_is_last_backward_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.set_is_last_backward(False)
+        first_step(net)
+        assert len(net._shardkit().schedule.orders.post_forward) == 4  # kept for the next microbatch
+        net.set_is_last_backward(True)
+        first_step(net)
+        assert net._shardkit().schedule.orders.post_forward == []
+
+
+def test_set_modules_to_forward_prefetch_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.blocks[0].set_modules_to_forward_prefetch([net.blocks[1], net.blocks[2]])
+        t = first_step(net)
+    lines = [str(e).split(" float32")[0] for e in t.events if e.kind in ("all_gather", "phase")]
+    i = lines.index("phase blocks.0 pre_forward: IDLE -> FORWARD")
+    assert lines[i + 1 : i + 4] == ["all_gather blocks.0", "all_gather blocks.1", "all_gather blocks.2"]
+
+
+def test_set_modules_to_backward_prefetch_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.blocks[2].set_modules_to_backward_prefetch([net.blocks[1], net.blocks[0]])
+        t = first_step(net)
+    lines = [str(e).split(" float32")[0] for e in t.events if e.kind in ("all_gather", "phase")]
+    i = lines.index("phase blocks.2 pre_backward: IDLE -> PRE_BACKWARD")
+    assert lines[i + 1 : i + 3] == ["all_gather blocks.1", "all_gather blocks.0"]
+
+
+def divide_factors(net: nn.Module, monkeypatch) -> dict[str, float]:
+    asked = {}
+    reduce_scatter = collectives.reduce_scatter
+
+    def recording(bucket, grads, comm, name, how):
+        asked[name] = how.divide_by
+        return reduce_scatter(bucket, grads, comm, name, how)
+
+    monkeypatch.setattr(collectives, "reduce_scatter", recording)
+    first_step(net)
+    return asked
+
+
+@pytest.mark.parametrize("method", ["set_gradient_divide_factor", "set_reduce_scatter_divide_factor"])
+def test_set_gradient_divide_factor_before_the_first_forward(method, monkeypatch):
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        getattr(net.blocks[0], method)(2.0)
+        factors = divide_factors(net, monkeypatch)
+    assert factors == {"blocks.2": 4, "blocks.1": 4, "blocks.0": 2.0, "": 4}
+
+
+def test_set_post_optim_event_before_the_first_forward():
+    with fake_world(4) as mesh, sim.checking() as checker:
+        net = sharded(mesh)
+        event = checker.Event()
+        event.record()
+        net.set_post_optim_event(event)
+        first_step(net)
+        with_event = checker.edges
+        first_step(net)
+        without = checker.edges - with_event
+    assert net._shardkit().root.options.post_optim_event is None  # waited for once, then dropped
+    assert with_event == without + 1  # the all-gather stream waited for the event
+
+
+@pytest.mark.parametrize("method", ["set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params"])
+def test_set_accepted_for_compatibility_before_the_first_forward(method, monkeypatch):
+    """Both ask for what shardkit always does (sum, then divide; zeros for unused
+    parameters): accepted, and the step is the same."""
+    with fake_world(4) as mesh:
+        plain = [str(e) for e in first_step(sharded(mesh)).events]
+        net = sharded(mesh)
+        getattr(net, method)(True)
+        assert [str(e) for e in first_step(net).events] == plain
