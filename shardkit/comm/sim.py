@@ -66,7 +66,7 @@ class StreamRace(RuntimeError):
 
 
 class SimStream:
-    """A stream: its vector clock (``torch.cuda.Stream``'s methods that shardkit uses)."""
+    """A simulated stream: its vector clock, and the methods of a CUDA stream that shardkit uses."""
 
     def __init__(self, checker: "Checker", name: str) -> None:
         self.checker, self.name = checker, name
@@ -94,7 +94,7 @@ class SimStream:
 
 
 class SimEvent:
-    """A snapshot of one stream's clock (``torch.cuda.Event``'s methods that shardkit uses)."""
+    """A simulated event: a snapshot of one stream's clock, with a CUDA event's methods."""
 
     def __init__(self, checker: "Checker", enable_timing: bool = False, stream: SimStream | None = None) -> None:
         self.checker = checker

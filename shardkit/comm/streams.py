@@ -172,7 +172,8 @@ class DeviceStreams(Streams):
         with self.api.stream(stream), trace.label(what.kind, what.group):
             _, made = launch(False)  # synchronous on the side stream: NCCL orders it there
             handle.done = stream.record_event()
-            self._time(what.traced)
+            if what.traced is not None:
+                what.traced.done_at = self._device_now()
         if isinstance(self.api, sim.Checker):
             self._label(made, what)
         handle.buffers.update(made)
@@ -188,7 +189,10 @@ class DeviceStreams(Streams):
         return handle.done is None or handle.done.query()
 
     def wait(self, handle: Handle) -> None:
-        trace.waiting(handle.what.traced)
+        traced = handle.what.traced
+        trace.waiting(traced)
+        if traced is not None:  # exposed time: from when the compute stream gets here
+            traced.wait_at = self._device_now()
         if handle.done is not None:
             with trace.label(f"wait_{handle.what.kind}", handle.what.group):
                 self.api.current_stream(self.device).wait_event(handle.done)
@@ -200,27 +204,25 @@ class DeviceStreams(Streams):
     def all_gathers_wait_for(self, event: Any) -> None:
         self.side["all_gather"].wait_event(event)
 
-    def _time(self, traced: trace.Event | None) -> None:
-        """While a trace records: when the collective completes, read later off a timing event
-        (the device runs behind the host, so we time against an event recorded once while
-        both were in step)."""
-        if traced is None:
-            return
+    def _device_now(self) -> Callable[[], int]:
+        """When the current stream gets to this point, on the host's clock, read later (a
+        timing event; the device runs behind the host, so we time against an event recorded
+        once while both were in step). For the trace only."""
         if self._reference is None:
             self.api.synchronize()
             reference = self.api.Event(enable_timing=True)
             reference.record()
             reference.synchronize()
             self._reference = (reference, time.perf_counter_ns())
-        end = self.api.Event(enable_timing=True)
-        end.record()
         reference, host_ns = self._reference
+        event = self.api.Event(enable_timing=True)
+        event.record()
 
-        def done_at() -> int:
-            end.synchronize()
-            return host_ns + int(reference.elapsed_time(end) * 1e6)
+        def at() -> int:
+            event.synchronize()
+            return host_ns + int(reference.elapsed_time(event) * 1e6)
 
-        traced.done_at = done_at
+        return at
 
 
 _streams: dict[tuple, Streams] = {}

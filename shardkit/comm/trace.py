@@ -15,7 +15,9 @@ finished as well as when it is issued.
 Times are ``time.perf_counter_ns()`` on the host. A collective has three: ``t`` when it was
 issued, ``wait_ns`` when the runtime started waiting for it, and ``done_ns`` when it
 completed (CPU: the work's completion callback; CUDA: a timing event on its side stream,
-read through ``done_at`` once the trace ends; ``comm/streams.py`` sets both).
+read through ``done_at`` once the trace ends; ``comm/streams.py`` sets both). On CUDA
+``wait_ns`` too is read off a timing event (``wait_at``): when the compute stream reached
+the wait, so that ``exposed_ns`` is device time the compute stream spent waiting.
 ``done_ns - wait_ns``, when positive, is communication the compute did not hide.
 
 Setting ``SHARDKIT_TRACE=<folder>`` traces the whole run (``comm/timeline.py``).
@@ -50,6 +52,7 @@ class Event:
     wait_ns: int = 0  # a collective: when a hook started waiting for it (0: not yet)
     done_ns: int = 0  # a collective: when it completed (0: not yet)
     done_at: Callable[[], int] | None = None  # CUDA: reads done_ns off a timing event (``resolve``)
+    wait_at: Callable[[], int] | None = None  # CUDA: reads wait_ns off a timing event
 
     @property
     def exposed_ns(self) -> int:
@@ -133,6 +136,8 @@ class Trace:
         for e in self.events:
             if e.done_at is not None:
                 e.done_ns, e.done_at = e.done_at(), None
+            if e.wait_at is not None:
+                e.wait_ns, e.wait_at = e.wait_at(), None
 
     def clear(self) -> None:
         self.events.clear()
