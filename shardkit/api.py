@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from shardkit import hooks
-from shardkit.dtensor.sharded_param import ParamOptions, ParamSlot, ShardedParam
-from shardkit.module import FSDPModule
-from shardkit.options import GroupOptions
+from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
+from shardkit.module import FSDPModule, accept_full_tensors
+from shardkit.options import GroupOptions, ParamOptions
 from shardkit.param_group import ParamGroup
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.state import GroupState, class_name, state_of
@@ -66,7 +66,6 @@ def fully_shard(
     modules = _check_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     _check_mesh(mesh)
-    reshard_after_forward_arg = reshard_after_forward
     reshard_after_forward, post_forward_mesh = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload, pin_memory = check_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params, modules)
@@ -77,11 +76,6 @@ def fully_shard(
     _move_buffers(managed, device)
     options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory)
     params = [_shard_param(p, s, mesh, device, shard_placement_fn, options) for p, s in slots.items()]
-    if post_forward_mesh is not None and any(p.dim != 0 for p in params):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward_arg} (an int) with parameters sharded on a dim "
-            "other than 0 is not supported; pass True, or shard those parameters on dim 0."
-        )
     options = GroupOptions(reshard_after_forward)
     group = ParamGroup(params, mesh, options, post_forward_mesh) if params else None
     state = GroupState(modules, group, options, mp_policy, device)
@@ -98,7 +92,7 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     for (p, owner), more_slots in borrowed.items():
         _borrow(state, owner, p, more_slots)
     own = [(slot, p) for p in sharded.values() for slot in p.slots]
-    _accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
+    accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
     for inner in nested:
         inner.links.parent = state
     hooks.install(state)
@@ -262,27 +256,6 @@ def _borrow(state: GroupState, owner: GroupState, p: ShardedParam, more_slots: l
     if owner not in state.links.borrowed:
         state.links.borrowed.append(owner)
         owner.links.borrowers.append(state)
-
-
-def _accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:
-    """``load_state_dict`` with plain (full) tensors for sharded parameters: each rank keeps its
-    shard (FSDP2 makes the user distribute them first). A hook on each module that registers
-    one of them, run before that module loads its own entries."""
-    by_module: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
-    for slot, p in slots:
-        by_module.setdefault(slot.module, []).append((slot.name, p))
-
-    def hook_for(entries):
-        def hook(state_dict, prefix, *args):
-            for name, p in entries:
-                value = state_dict.get(prefix + name)
-                full_shape = p.tp_spec.shape if p.tp_spec is not None else p.shape
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == full_shape:
-                    state_dict[prefix + name] = p.from_full(value)
-        return hook
-
-    for module, entries in by_module.items():
-        module._register_load_state_dict_pre_hook(hook_for(entries))
 
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:

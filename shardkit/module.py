@@ -5,9 +5,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from shardkit import hooks, root
+from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.state import GroupState, is_root, state_of
 
 
@@ -188,3 +191,24 @@ def _checked_fsdp_modules(modules: list, direction: str) -> list[FSDPModule]:
                 f"but modules[{i}] is a {type(m).__name__}; call fully_shard on it first."
             )
     return modules
+
+
+def accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:
+    """``load_state_dict`` with plain (full) tensors for sharded parameters: each rank keeps its
+    shard (FSDP2 makes the user distribute them first). A hook on each module that registers
+    one of them, run before that module loads its own entries."""
+    by_module: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    for slot, p in slots:
+        by_module.setdefault(slot.module, []).append((slot.name, p))
+
+    def hook_for(entries):
+        def hook(state_dict, prefix, *args):
+            for name, p in entries:
+                value = state_dict.get(prefix + name)
+                full_shape = p.tp_spec.shape if p.tp_spec is not None else p.shape
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == full_shape:
+                    state_dict[prefix + name] = p.from_full(value)
+        return hook
+
+    for module, entries in by_module.items():
+        module._register_load_state_dict_pre_hook(hook_for(entries))

@@ -1,13 +1,17 @@
-"""The knobs of a group and of a step, made by ``fully_shard`` and set by ``FSDPModule.set_*``.
+"""The knobs of a group and of a step, made by ``fully_shard`` and set by ``FSDPModule.set_*``,
+and what the policies ask of each parameter.
 
-Both records exist from the ``fully_shard`` call on, so every ``set_*`` method works the same
-before and after the first forward; the runtime reads them each step.
+``GroupOptions`` and ``RootOptions`` exist from the ``fully_shard`` call on, so every
+``set_*`` method works the same before and after the first forward; the runtime reads them
+each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -32,3 +36,13 @@ class RootOptions:
     is_last_backward: bool = True  # False: the next backward is not the last of the step (microbatches)
     lockstep: bool = False  # agree on every collective first (shardkit/lockstep.py)
     post_optim_event: Any = None  # the next forward's all-gathers wait for it, then drop it
+
+
+@dataclass(frozen=True)
+class ParamOptions:
+    """What a ``fully_shard`` call's policies ask of each of its parameters."""
+
+    param_dtype: torch.dtype | None = None  # MixedPrecisionPolicy
+    reduce_dtype: torch.dtype | None = None
+    offload: bool = False  # CPUOffloadPolicy
+    pin_memory: bool = False

@@ -33,7 +33,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit import optim
 from shardkit.comm import collectives, trace
-from shardkit.comm.collectives import Bucket, Comm, PendingAllGather, PendingReduction
+from shardkit.comm.buckets import Bucket, buckets
+from shardkit.comm.collectives import Comm, PendingAllGather, PendingReduction
 from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam, free_storage
 from shardkit.options import GroupOptions
@@ -134,9 +135,9 @@ class ParamGroup:
         post, post_buckets = None, []
         if post_mesh is not None:  # "dp/R" in the trace
             post = Comm.of(post_mesh, 1, streams, f"{comm.mesh_dim}/{post_mesh.size(1)}")
-            post_buckets = collectives.buckets(self.params, "param_dtype", post.world, post_forward=True)
-        all_gather = collectives.buckets(self.params, "param_dtype", self.world)
-        reduce_scatter = collectives.buckets(self.params, "reduce_dtype", self.world)
+            post_buckets = buckets(self.params, "param_dtype", post.world, post_forward=True)
+        all_gather = buckets(self.params, "param_dtype", self.world)
+        reduce_scatter = buckets(self.params, "reduce_dtype", self.world)
         self.layout = Layout(comm, replicate, post, all_gather, reduce_scatter, post_buckets)
 
     # Unshard / reshard -------------------------------------------------------------------

@@ -2,21 +2,13 @@
 
 The module hooks (``hooks.py``) are adapters: a forward call starts or ends, a gradient
 reaches a group's outputs or inputs, backward ends. Each reaches the root's ``Schedule``,
-which names it as an ``Event`` of one group (whether the call opens the forward pass, is a
-recomputation, leaves other calls open), looks ``(phase, event)`` up in ``state.RULES``,
-enters the next phase and runs the rule's actions: the methods below of the same names.
-The schedule also owns what spans groups: the orders prefetching follows, the reductions in
-flight, the end of the forward pass (``close_pass``) and of backward (``end_backward``).
-``lockstep.py`` is a variant of it: agree with the other ranks, then act.
-
-Prefetch: a group's pre-forward issues the all-gather of the group that came after it in the
-last forward (if this forward has followed that order so far); its pre-backward issues the
-all-gather of the group whose forward finished before its own. Explicit lists
-(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace that choice.
-
-Reductions: a group's reduce-scatter is issued at its post-backward and finished at a later
-group's post-backward once it has completed, with at most ``MAX_REDUCING`` in flight; the
-end of backward finishes the rest before the optimizer step.
+which names it as an ``Event`` of one group (does the call open the forward pass, is it a
+recomputation, are other calls of the group still open?), looks ``(phase, event)`` up in
+``state.RULES``, enters the next phase and runs the rule's actions: the methods below of the
+same names. The schedule also owns what spans groups: the orders prefetching follows, the
+reductions in flight, the end of the forward pass (``close_pass``) and of backward
+(``end_backward``). ``lockstep.py`` is a variant of it: agree with the other ranks, then act.
+docs/design.md walks through one step.
 
 Tied: a weight shared by two groups (an embedding tied to an output head sharded by another
 call) belongs to the group that sharded it first, the owner; the other group registers the
@@ -38,7 +30,7 @@ from torch.autograd import Variable
 from shardkit.comm import trace
 from shardkit.comm.streams import streams_for
 from shardkit.param_group import ParamGroup, Storage
-from shardkit.state import Action, Event, GroupState, Phase, Root, rule_for
+from shardkit.state import Event, GroupState, Phase, Root, rule_for
 from shardkit.tensors import on_input_grads, on_output_grads, to_device
 
 MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
@@ -278,8 +270,10 @@ class Schedule:
             target.group.unshard()
 
     def _reduce(self, state: GroupState, reshard: bool = True) -> None:
-        """Issue the group's reductions, reshard it, and finish the reductions that completed
-        meanwhile in issue order (the oldest anyway if more than MAX_REDUCING are in flight)."""
+        """Issue the group's reductions and reshard it; then finish, oldest first, the earlier
+        reductions that have completed meanwhile, and the oldest anyway while more than
+        MAX_REDUCING are in flight. (Polling goes in issue order: every rank starts its HSDP
+        all-reduces in the same order.)"""
         group = state.group
         group.reduce_gradients()
         if any(b.step.phase is Phase.PRE_BACKWARD for b in state.links.borrowers):
@@ -288,13 +282,7 @@ class Schedule:
             group.reshard()
         reducing = self.reducing
         reducing.append(group)
-        done = []
-        for g in reducing:  # in issue order, stopping at the first not done
-            done.append(g.reduce_done())
-            if not done[-1]:
-                break
-        while len(reducing) > MAX_REDUCING or (len(reducing) > 1 and done and done[0]):
-            done.pop(0)
+        while len(reducing) > MAX_REDUCING or len(reducing) > 1 and reducing[0].reduce_done():
             reducing.pop(0).finish_reduce()
 
     def _pass_ends(self) -> None:

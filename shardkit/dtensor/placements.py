@@ -1,4 +1,5 @@
-"""Pure sharding math: how many rows of a parameter each rank holds.
+"""Sharding math: how many rows of a parameter each rank holds, and the DTensor placements of
+the sharded parameters (1-D, HSDP, dp x tp).
 
 We shard dim 0 like ``torch.chunk`` (and like DTensor's ``Shard(0)``): every rank but the
 last few holds ``ceil(rows / world)`` rows, the tail ranks hold fewer or none. For the
@@ -9,6 +10,12 @@ and reduce-scatter outputs have equal sizes on every rank.
 from __future__ import annotations
 
 import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def padded_rows(rows: int, world: int) -> int:
@@ -30,3 +37,42 @@ def chunk_sizes(rows: int, world: int) -> list[int]:
 def row_numel(shape: tuple[int, ...]) -> int:
     """Elements in one dim-0 row of a tensor of ``shape``."""
     return math.prod(shape[1:])
+
+
+_dp_tp_meshes: dict = {}  # (dp mesh, tp mesh) ids -> their concatenation, made once
+
+
+def sharded_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int) -> DTensorSpec:
+    """``Shard(dim)`` over a 1-D mesh; ``(Replicate(), Shard(dim))`` over a 2-D one (HSDP)."""
+    placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(dim),)
+    return DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
+
+
+def dp_tp_spec(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int, where: str) -> DTensorSpec:
+    """The sharded parameter's spec on the (dp, tp) mesh: dp splits the TP-local tensor."""
+    if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
+        raise NotImplementedError(
+            f"{where}: shardkit composes a 1-D "
+            f"data-parallel mesh with a 1-D tensor-parallel mesh, got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D."
+        )
+    key = (id(dp_mesh), id(tp_spec.mesh))
+    if key not in _dp_tp_meshes:
+        _dp_tp_meshes[key] = (DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), dp_mesh, tp_spec.mesh)
+    mesh = _dp_tp_meshes[key][0]
+    split = tp_spec.num_shards_map[dim]
+    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    meta = TensorMeta(tp_spec.shape, contiguous_stride(tp_spec.shape), tp_spec.tensor_meta.dtype)
+    return DTensorSpec(mesh, (dp, *tp_spec.placements), meta)
+
+
+def with_size(shape: torch.Size, dim: int, size: int) -> torch.Size:
+    """``shape`` with dimension ``dim`` set to ``size``."""
+    return torch.Size((*shape[:dim], size, *shape[dim + 1 :]))
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))

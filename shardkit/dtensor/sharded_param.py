@@ -1,14 +1,10 @@
 """One parameter in its three forms: original -> sharded DTensor (+padding) <-> unsharded.
 
-Parameters are split along ``dim`` (0 unless ``shard_placement_fn`` says otherwise); "rows"
-below are slices along ``dim``. On a 2-D mesh (HSDP) they are split over the last mesh dim
-and replicated over the first.
-
-With tensor parallel, the parameter arrives as a DTensor on the "tp" mesh; everything below
-applies to its local (TP) tensor, which is what the data-parallel all-gather restores. The
-unsharded parameter is then a DTensor again, with the TP placements, and the sharded one a
-DTensor on the (dp, tp) mesh: ``(Shard(d), tp...)``, or ``(_StridedShard(d, split_factor=tp),
-Shard(d))`` when TP splits the same dim, so that ``full_tensor()`` is the original weight.
+Parameters are split along ``dim`` (0 unless ``shard_placement_fn`` says otherwise; "rows"
+are slices along it), over the last mesh dim (HSDP: replicated over the first). With tensor
+parallel, everything below applies to the parameter's TP-local tensor: the unsharded
+parameter is a DTensor with the TP placements again, the sharded one a DTensor on the
+(dp, tp) mesh (``placements.dp_tp_spec``).
 
 - The **padded shard** (``padded_shard``, ``padded_shape``) is this rank's rows of the
   original parameter followed by zero rows up to ``padded_rows``; it is the all-gather input
@@ -18,22 +14,17 @@ Shard(d))`` when TP splits the same dim, so that ``full_tensor()`` is the origin
   DTensor whose local tensor is a view of the real (unpadded) rows of the padded shard. It is
   what the module holds between steps, so the optimizer and ``state_dict()`` see it.
 - The **unsharded parameter** (``unsharded_param``) is a plain ``nn.Parameter`` of the
-  original shape, a view into ``unsharded_flat`` (``world * shard_numel`` elements, the
-  all-gather output layout). It is registered on the module during forward/backward. Its
-  object lives for the whole run (autograd saves it and accumulates ``.grad`` into it); only
-  its storage is freed (resized to 0) when we reshard, and refilled when we unshard.
-  The all-gather writes through ``unsharded_flat``, which shares the storage but not the
-  version counter (``.data``): refilling the parameter is not an in-place edit that autograd
-  would reject in backward (it saved the parameter in forward and checks its version).
-  It is in ``param_dtype`` (mixed precision) on the compute device.
-- The **post-forward shard** (``post_forward_shard``), only with ``reshard_after_forward=R``
-  (an int): this rank's ``1/R`` of the unsharded parameter, kept from the end of forward to
-  the backward all-gather, which then runs among ``R`` ranks only. Its rows are laid out
-  like the unsharded buffer's, so that all-gather fills the buffer's first rows directly.
+  original shape in ``param_dtype`` on the compute device, a view into ``unsharded_flat``
+  (``world * shard_numel`` elements, the all-gather output layout), registered on the module
+  during forward/backward. The object lives for the whole run; only its storage is freed
+  and refilled, through ``unsharded_flat``, a ``.data`` alias with its own version counter
+  (docs/design.md says why).
+- The **post-forward shard** (``post_forward_shard``), with ``reshard_after_forward=R`` (an
+  int): this rank's ``1/R`` of the unsharded parameter, kept from the end of forward to the
+  backward all-gather among ``R`` ranks, laid out as the unsharded buffer's first rows.
 
 Dtypes: ``dtype`` is the original one (sharded parameter, its ``.grad``, optimizer state);
-``param_dtype`` is what the all-gather carries and forward/backward compute in;
-``reduce_dtype`` is what gradients are reduced in (``MixedPrecisionPolicy``).
+``param_dtype`` the all-gather's and the compute's; ``reduce_dtype`` the gradients' reduction.
 """
 
 from __future__ import annotations
@@ -43,11 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from shardkit.dtensor.placements import local_rows, padded_rows, row_numel
+from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, with_size
+from shardkit.options import ParamOptions
 
 
 @dataclass(frozen=True)
@@ -56,16 +47,6 @@ class ParamSlot:
 
     module: nn.Module
     name: str
-
-
-@dataclass(frozen=True)
-class ParamOptions:
-    """What a ``fully_shard`` call's policies ask of each of its parameters."""
-
-    param_dtype: torch.dtype | None = None  # MixedPrecisionPolicy
-    reduce_dtype: torch.dtype | None = None
-    offload: bool = False  # CPUOffloadPolicy
-    pin_memory: bool = False
 
 
 class ShardedParam:
@@ -104,21 +85,25 @@ class ShardedParam:
         rows = self.shape[dim]
         self.padded_rows = padded_rows(rows, self.world)
         self.local_rows = local_rows(rows, self.world, self.rank)
-        self.padded_shape = _with(self.shape, dim, self.padded_rows)
+        self.padded_shape = with_size(self.shape, dim, self.padded_rows)
         self.shard_numel = self.padded_shape.numel()
         if self.tp_spec is None:
-            placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(dim),)
-            self.spec = DTensorSpec(mesh, placements, TensorMeta(self.shape, _contiguous_stride(self.shape), self.dtype))
+            self.spec = sharded_spec(mesh, self.shape, self.dtype, dim)
         else:
-            self.spec = _dp_tp_spec(mesh, self.tp_spec, dim, slots[0])
+            where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
+            self.spec = dp_tp_spec(mesh, self.tp_spec, dim, where)
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
         self.unsharded_flat: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
         self._shard(local.detach(), device)
 
+    def _my_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (TP-local) tensor (a view)."""
+        start = min(self.rank * self.padded_rows, self.shape[self.dim])  # empty tail ranks start at the end
+        return full.narrow(self.dim, start, self.local_rows)
+
     def _shard(self, full: torch.Tensor, device: torch.device) -> None:
         """Build the padded shard and the sharded DTensor parameter from a full tensor."""
-        start = min(self.rank * self.padded_rows, self.shape[self.dim])  # empty tail ranks start at the end
         if self.offload:
             device = torch.device("cpu")
         device = full.device if full.device.type == "meta" else device  # meta stays meta until to_empty
@@ -127,7 +112,7 @@ class ShardedParam:
         if device.type != "meta":
             with torch.no_grad():
                 padded.zero_()
-                self._valid(padded).copy_(full.narrow(self.dim, start, self.local_rows))
+                self._valid(padded).copy_(self._my_rows(full))
         self._set_padded_shard(padded)
 
     def _set_padded_shard(self, padded: torch.Tensor) -> None:
@@ -199,6 +184,11 @@ class ShardedParam:
     def set_post_forward(self, world: int, index: int) -> None:
         """Configure ``reshard_after_forward=world``: this rank keeps chunk ``index`` of ``world``
         (dim-0 parameters only: their unsharded buffer is laid out by rows)."""
+        if self.dim != 0:
+            raise NotImplementedError(
+                f"reshard_after_forward={world} (an int) with parameter '{self.fqn}' sharded on dim "
+                f"{self.dim} is not supported; pass True, or shard it on dim 0."
+            )
         self.post_forward_rows = padded_rows(self.shape[0], world)
         self.post_forward_numel = self.post_forward_rows * row_numel(tuple(self.shape))
         self.post_forward_index = index
@@ -215,7 +205,7 @@ class ShardedParam:
         # world * padded_rows >= R * ceil(rows / R) for every R dividing world: the post-forward
         # all-gather's output fits too.
         flat = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
-        padded = flat.view(_with(self.shape, self.dim, self.world * self.padded_rows))
+        padded = flat.view(with_size(self.shape, self.dim, self.world * self.padded_rows))
         view = padded.narrow(self.dim, 0, self.shape[self.dim])  # (*shape): contiguous for dim 0
         if self.tp_spec is not None:  # tensor parallel: hand TP its local DTensor
             spec = self.tp_spec
@@ -261,9 +251,7 @@ class ShardedParam:
         parameter: for ``load_state_dict`` of plain tensors. No communication."""
         if self.tp_spec is not None:  # the TP-local part first, as tensor parallel would have it
             full = distribute_tensor(full, self.tp_spec.mesh, self.tp_spec.placements, src_data_rank=None)._local_tensor
-        start = min(self.rank * self.padded_rows, self.shape[self.dim])
-        local = full.narrow(self.dim, start, self.local_rows).to(self.shard_device, self.dtype)
-        return to_dtensor(local, self.spec)
+        return to_dtensor(self._my_rows(full).to(self.shard_device, self.dtype), self.spec)
 
     def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """A TP parameter's gradient as the local tensor of the TP placements."""
@@ -309,36 +297,3 @@ def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
     if padded.device != local.device or padded.dtype != local.dtype:
         return False
     return local.numel() == 0 or padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-
-
-_dp_tp_meshes: dict = {}
-
-
-def _dp_tp_spec(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int, slot: ParamSlot) -> DTensorSpec:
-    """The sharded parameter's spec on the (dp, tp) mesh: dp splits the TP-local tensor."""
-    if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter '{slot.name}' of {type(slot.module).__name__}: shardkit composes a 1-D "
-            f"data-parallel mesh with a 1-D tensor-parallel mesh, got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D."
-        )
-    key = (id(dp_mesh), id(tp_spec.mesh))
-    if key not in _dp_tp_meshes:
-        _dp_tp_meshes[key] = (DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), dp_mesh, tp_spec.mesh)
-    mesh = _dp_tp_meshes[key][0]
-    split = tp_spec.num_shards_map[dim]
-    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-    meta = TensorMeta(tp_spec.shape, _contiguous_stride(tp_spec.shape), tp_spec.tensor_meta.dtype)
-    return DTensorSpec(mesh, (dp, *tp_spec.placements), meta)
-
-
-def _with(shape: torch.Size, dim: int, size: int) -> torch.Size:
-    """``shape`` with dimension ``dim`` set to ``size``."""
-    return torch.Size((*shape[:dim], size, *shape[dim + 1 :]))
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
