@@ -60,10 +60,14 @@ def set_lockstep(root: Root, enabled: bool) -> None:
     schedule = root.schedule
     if schedule is None:
         return  # applied at lazy init
-    if enabled and not isinstance(schedule, LockstepSchedule):
-        root.schedule = schedule.variant(LockstepSchedule).prepare()
-    elif not enabled and isinstance(schedule, LockstepSchedule):
-        root.schedule = schedule.variant(Schedule)
+    cls = LockstepSchedule if enabled else Schedule
+    if type(schedule) is not cls:
+        if schedule.forward_root is not None or schedule.in_backward:
+            raise RuntimeError("shardkit: set_lockstep() must be called between steps, not during forward or backward")
+        root.schedule = cls.__new__(cls)
+        root.schedule.__dict__.update(schedule.__dict__)  # the same schedule, as the other variant
+        if enabled:
+            root.schedule.prepare()
 
 
 def _check_root(root: GroupState) -> None:

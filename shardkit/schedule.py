@@ -65,8 +65,7 @@ class Schedule:
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
         self.reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
-        # Offloaded gradients are copied to pinned host memory asynchronously: synced at the end.
-        self.offloads = any(p.pin_memory for s in states if s.group for p in s.group.params)
+        self.offloads = any(p.pin_memory for s in states if s.group for p in s.group.params)  # see end_backward
 
     # Events ------------------------------------------------------------------------------------
     def pre_forward(self, state: GroupState, call: Call) -> None:
@@ -86,7 +85,7 @@ class Schedule:
             event = Event.END_FORWARD if self.forward_root is state else Event.POST_FORWARD
         self.fire(state, event, call)
 
-    def pre_backward(self, state: GroupState, grad: torch.Tensor) -> None:
+    def pre_backward(self, state: GroupState) -> None:
         self.fire(state, Event.PRE_BACKWARD)
 
     def post_backward(self, state: GroupState) -> None:
@@ -116,7 +115,7 @@ class Schedule:
         for group in self.reducing:
             group.finish_reduce()
         self.reducing = []
-        if self.offloads:
+        if self.offloads:  # gradients copied to pinned host memory asynchronously
             streams_for(self.device).wait_host_copies()
         for state in self.states:
             self.fire(state, Event.FINALIZE)
@@ -171,7 +170,7 @@ class Schedule:
 
     def hook_inputs(self, state: GroupState, call: Call) -> None:
         if state.group is not None and torch.is_grad_enabled():
-            call.args, call.kwargs = on_input_grads(call.args, call.kwargs, functools.partial(self.post_backward, state))
+            call.args, call.kwargs = on_input_grads(call.args, call.kwargs, functools.partial(_post_backward, state))
 
     def reshard_after_forward(self, state: GroupState, call: Call) -> None:
         group, reshard = state.group, state.options.reshard_after_forward
@@ -194,7 +193,7 @@ class Schedule:
         if not self.in_backward:  # a recomputation keeps the forward's order
             state.step.backward_index.append(len(self.orders.post_forward))
             self.orders.post_forward.append(state)
-        on_output_grads(call.output, functools.partial(self.pre_backward, state))
+        on_output_grads(call.output, functools.partial(_pre_backward, state))
 
     def close_pass(self, state: GroupState, call: Call) -> None:
         for other in self.states:
@@ -288,10 +287,14 @@ class Schedule:
     def _pass_ends(self) -> None:
         """This rank's forward pass or backward is over (lockstep: serve the other ranks)."""
 
-    def variant(self, cls: type["Schedule"]) -> "Schedule":
-        """The same schedule, as another variant (``set_lockstep`` between steps)."""
-        if self.forward_root is not None or self.in_backward:
-            raise RuntimeError("shardkit: set_lockstep() must be called between steps, not during forward or backward")
-        new = cls.__new__(cls)
-        new.__dict__.update(self.__dict__)
-        return new
+
+# Autograd calls these during backward; they find the root's schedule of the moment (it may
+# have become its lockstep variant since the forward). Dynamo leaves them out, as the hooks.
+@torch.compiler.disable
+def _pre_backward(state: GroupState, grad: torch.Tensor) -> None:
+    state.schedule.pre_backward(state)
+
+
+@torch.compiler.disable
+def _post_backward(state: GroupState) -> None:
+    state.schedule.post_backward(state)

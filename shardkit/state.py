@@ -118,10 +118,17 @@ def rule_for(phase: Phase, event: Event, name: str) -> Rule:
 
 
 def render_rules() -> str:
-    """The table as text, one rule per line (pinned by a test and shown in docs/design.md)."""
-    rows = [(f"{p.value} --{e.value}-->", r.next.value, ", ".join(a.value for a in r.actions) or "-", r.why) for (p, e), r in RULES.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join(f"{a:<{widths[0]}} {b:<{widths[1]}}  {c:<{widths[2]}}  # {d}" for a, b, c, d in rows)
+    """The table as markdown, one row per rule (``*``: the same in every phase); pinned by a
+    test and shown in docs/design.md."""
+    rows, shown = [], set()
+    for (phase, event), rule in RULES.items():
+        everywhere = all(RULES.get((p, event)) == rule for p in Phase)
+        if everywhere and event in shown:
+            continue
+        shown.add(event)
+        actions = ", ".join(a.value for a in rule.actions) or "-"
+        rows.append(f"| {'*' if everywhere else phase.value} | {event.value} | {rule.next.value} | {actions} | {rule.why} |")
+    return "\n".join(["| phase | event | next phase | actions, in order | when |", "|---|---|---|---|---|", *rows])
 
 
 # The per-group record ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ import atexit
 import contextlib
 import itertools
 import os
+import sys
 import time
 from typing import Iterator
 
@@ -152,11 +153,13 @@ class Checker(TorchDispatchMode):
             if stream.clock.get(name, 0) < q:
                 stream.clock[name] = q
 
-    def label(self, t: torch.Tensor, text: str) -> None:
-        """Name the buffer holding ``t`` in errors (``comm/streams.py`` names a collective's buffers)."""
-        buffer = self.ledger.buffer(t, self.current)
-        if buffer is not None:
-            buffer.label = text
+    def name_buffers(self, buffers: dict, what) -> None:
+        """Name a collective's buffers (a tensor or a list of them, by name) in race reports."""
+        for name, value in buffers.items():
+            for t in value if isinstance(value, list) else [value]:
+                buffer = self.ledger.buffer(t, self.current) if t is not None else None
+                if buffer is not None:
+                    buffer.label = f"the {name} of {what.kind} {what.group or '<root>'}"
 
     def summary(self) -> str:
         return f"sim streams: {self.accesses} accesses checked, {self.edges} cross-stream edges, {self.races} races"
@@ -242,7 +245,7 @@ def _from_environment() -> None:
         raise ValueError(f"SHARDKIT_STREAMS={mode!r}: the only value is 'sim' (simulated CUDA streams on the CPU)")
     if mode == "sim":
         checker = start()
-        atexit.register(lambda: print(checker.summary(), flush=True))
+        atexit.register(lambda: print(checker.summary(), file=sys.stderr, flush=True))
 
 
 _from_environment()

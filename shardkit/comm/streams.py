@@ -159,12 +159,13 @@ class DeviceStreams(Streams):
         self.api = api
         # High priority: a collective waiting to start delays every rank, compute only this one.
         self.side = {kind: api.Stream(device, priority=-1) for kind in KINDS}
+        # Simulated streams name a collective's buffers in their race reports.
+        self._name = api.name_buffers if isinstance(api, sim.Checker) else lambda buffers, what: None
         self._reference: tuple[Any, int] | None = None  # an event and the host time it completed
 
     def issue(self, what: Collective, inputs: dict[str, Any], launch: Launch, after: Handle | None = None) -> Handle:
         handle = Handle(self, what, inputs)
-        if isinstance(self.api, sim.Checker):
-            self._label(handle.buffers, what)  # name them in the checker's errors
+        self._name(inputs, what)
         stream = self.side[what.kind]
         stream.wait_stream(self.api.current_stream(self.device))  # see the Note
         if after is not None and after.done is not None:
@@ -174,16 +175,9 @@ class DeviceStreams(Streams):
             handle.done = stream.record_event()
             if what.traced is not None:
                 what.traced.done_at = self._device_now()
-        if isinstance(self.api, sim.Checker):
-            self._label(made, what)
+        self._name(made, what)
         handle.buffers.update(made)
         return handle
-
-    def _label(self, buffers: dict[str, Any], what: Collective) -> None:
-        for name, value in buffers.items():
-            for t in value if isinstance(value, list) else [value]:
-                if t is not None:
-                    self.api.label(t, f"the {name} of {what.kind} {what.group or '<root>'}")
 
     def poll(self, handle: Handle) -> bool:
         return handle.done is None or handle.done.query()

@@ -185,3 +185,22 @@ def test_set_accepted_for_compatibility_before_the_first_forward(method, monkeyp
         net = sharded(mesh)
         getattr(net, method)(True)
         assert [str(e) for e in first_step(net).events] == plain
+
+
+def test_set_lockstep_after_the_first_forward_switches_the_schedule_between_steps():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        first_step(net)
+        net.set_lockstep(True)
+        assert isinstance(net._shardkit().schedule, LockstepSchedule)
+        locked = first_step(net)
+        net.set_lockstep(False)
+        assert type(net._shardkit().schedule).__name__ == "Schedule"
+        free = first_step(net)
+        loss = net(torch.randn(4, 8)).sum()
+        net.set_lockstep(True)  # between forward and backward: the hooks find the new schedule
+        with shardkit.trace() as t:
+            loss.backward()
+    assert len(locked.collectives("all_gather")) == len(free.collectives("all_gather")) == 7
+    assert calls(locked, "all_gather") == calls(free, "all_gather")
+    assert calls(t, "reduce_scatter") == {"": 1, "blocks.0": 1, "blocks.1": 1, "blocks.2": 1}

@@ -8,30 +8,26 @@ from shardkit.state import RULES, Action, Event, IllegalTransition, Phase, rende
 
 def test_rules_table_is_pinned():
     assert_expected_inline(render_rules(), """\
-IDLE --start_forward-->          FORWARD        open_pass, begin_calls, unshard, prefetch_forward, hook_inputs  # the root's forward opens the pass
-IDLE --pre_forward-->            FORWARD        begin_calls, unshard, prefetch_forward, hook_inputs             # a group's forward starts
-FORWARD --pre_forward-->         FORWARD        enter                                                           # re-entry: another module of the group, or a nested call
-FORWARD --inner_post_forward-->  FORWARD        leave                                                           # that call ends; the group's forward goes on
-FORWARD --post_forward-->        IDLE           leave, reshard_after_forward, hook_outputs                      # the group's forward ends
-FORWARD --end_forward-->         IDLE           leave, reshard_after_forward, hook_outputs, close_pass          # the root's forward ends: so does the pass
-IDLE --recompute-->              FORWARD        begin_calls, unshard, hook_inputs                               # a group inside a recomputed one runs forward again
-FORWARD --recompute-->           FORWARD        enter                                                           # re-entry while it does
-PRE_BACKWARD --recompute-->      PRE_BACKWARD   unshard                                                         # activation checkpointing recomputes the forward
-PRE_BACKWARD --post_forward-->   PRE_BACKWARD   -                                                               # the recomputation ends: parameters stay for backward
-IDLE --pre_backward-->           PRE_BACKWARD   queue_finalize, unshard_for_backward, prefetch_backward         # a gradient reaches the group's outputs
-PRE_BACKWARD --pre_backward-->   PRE_BACKWARD   -                                                               # another output of the same call
-POST_BACKWARD --pre_backward-->  PRE_BACKWARD   queue_finalize, unshard_for_backward, prefetch_backward         # a group called twice: its other call's outputs
-PRE_BACKWARD --post_backward-->  POST_BACKWARD  reduce                                                          # the gradients reach the group's inputs
-IDLE --post_backward-->          POST_BACKWARD  reduce                                                          # no gradient reached the outputs (or end of backward)
-POST_BACKWARD --post_backward--> POST_BACKWARD  reduce                                                          # a group called twice, both calls' gradients first
-IDLE --finalize-->               IDLE           end_step                                                        # the end of backward
-FORWARD --finalize-->            IDLE           end_step                                                        # the end of backward
-PRE_BACKWARD --finalize-->       IDLE           end_step                                                        # the end of backward
-POST_BACKWARD --finalize-->      IDLE           end_step                                                        # the end of backward
-IDLE --reset-->                  IDLE           drop_step                                                       # after an exception: reset_iter_state()
-FORWARD --reset-->               IDLE           drop_step                                                       # after an exception: reset_iter_state()
-PRE_BACKWARD --reset-->          IDLE           drop_step                                                       # after an exception: reset_iter_state()
-POST_BACKWARD --reset-->         IDLE           drop_step                                                       # after an exception: reset_iter_state()""")
+| phase | event | next phase | actions, in order | when |
+|---|---|---|---|---|
+| IDLE | start_forward | FORWARD | open_pass, begin_calls, unshard, prefetch_forward, hook_inputs | the root's forward opens the pass |
+| IDLE | pre_forward | FORWARD | begin_calls, unshard, prefetch_forward, hook_inputs | a group's forward starts |
+| FORWARD | pre_forward | FORWARD | enter | re-entry: another module of the group, or a nested call |
+| FORWARD | inner_post_forward | FORWARD | leave | that call ends; the group's forward goes on |
+| FORWARD | post_forward | IDLE | leave, reshard_after_forward, hook_outputs | the group's forward ends |
+| FORWARD | end_forward | IDLE | leave, reshard_after_forward, hook_outputs, close_pass | the root's forward ends: so does the pass |
+| IDLE | recompute | FORWARD | begin_calls, unshard, hook_inputs | a group inside a recomputed one runs forward again |
+| FORWARD | recompute | FORWARD | enter | re-entry while it does |
+| PRE_BACKWARD | recompute | PRE_BACKWARD | unshard | activation checkpointing recomputes the forward |
+| PRE_BACKWARD | post_forward | PRE_BACKWARD | - | the recomputation ends: parameters stay for backward |
+| IDLE | pre_backward | PRE_BACKWARD | queue_finalize, unshard_for_backward, prefetch_backward | a gradient reaches the group's outputs |
+| PRE_BACKWARD | pre_backward | PRE_BACKWARD | - | another output of the same call |
+| POST_BACKWARD | pre_backward | PRE_BACKWARD | queue_finalize, unshard_for_backward, prefetch_backward | a group called twice: its other call's outputs |
+| PRE_BACKWARD | post_backward | POST_BACKWARD | reduce | the gradients reach the group's inputs |
+| IDLE | post_backward | POST_BACKWARD | reduce | no gradient reached the outputs (or end of backward) |
+| POST_BACKWARD | post_backward | POST_BACKWARD | reduce | a group called twice, both calls' gradients first |
+| * | finalize | IDLE | end_step | the end of backward |
+| * | reset | IDLE | drop_step | after an exception: reset_iter_state() |""")
 
 
 @pytest.mark.parametrize("event", [Event.FINALIZE, Event.RESET])

@@ -1,0 +1,64 @@
+"""The documents cannot drift from the code: what docs/design.md and docs/observability.md
+show as the rules table, the output of a script, or a trace is what the code produces now."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from shardkit.state import render_rules
+from tests.fake.test_prefetch import schedule, sharded, step
+from tests.fake.test_trace import traced_step
+from tests.conftest import fake_world
+
+ROOT = Path(__file__).resolve().parents[2]
+DESIGN = (ROOT / "docs" / "design.md").read_text()
+
+
+def block_after(doc: str, marker: str) -> str:
+    """The text between a ``<!-- marker -->`` comment and the end of what follows it: a fenced
+    block, or (for the rules) everything up to ``<!-- end rules -->``."""
+    start = doc.index(f"<!-- {marker} -->") + len(f"<!-- {marker} -->\n")
+    if doc.startswith("```", start):
+        body = doc[doc.index("\n", start) + 1 :]
+        return body[: body.index("```")].rstrip("\n")
+    return doc[start : doc.index("<!-- end rules -->", start)].rstrip("\n")
+
+
+def is_subsequence(lines: list[str], of: list[str]) -> bool:
+    it = iter(of)
+    return all(line in it for line in lines)
+
+
+def test_the_rules_table_in_the_design_doc_is_the_code_s():
+    assert block_after(DESIGN, "rules: state.render_rules()") == render_rules()
+
+
+def test_the_two_block_script_prints_what_the_design_doc_shows():
+    script = block_after(DESIGN, "script: two-block step")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip("\n") == block_after(DESIGN, "output: two-block step")
+
+
+def test_the_four_block_schedule_excerpt_in_the_design_doc_is_in_order():
+    excerpt = DESIGN[DESIGN.index("> pre_forward blocks.0          > pre_backward blocks.3") :].split("```")[0]
+    columns = ([], [])
+    for line in excerpt.splitlines():
+        for i, part in enumerate((line[:32].rstrip(), line[32:].rstrip())):
+            if part.strip() and part.strip() != "...":
+                columns[i].append(part)
+    with fake_world(8, 0) as mesh:
+        net = sharded(mesh)
+        step(net)
+        actual = schedule(step(net)).splitlines()
+    assert (len(columns[0]), len(columns[1])) == (7, 8)
+    assert all(is_subsequence(column, actual) for column in columns)
+
+
+def test_the_trace_excerpt_in_observability_md_is_in_order():
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    excerpt = block_after(doc, "excerpt: tests/fake/test_trace.py")
+    shown = [line for line in excerpt.splitlines() if line != "..."]
+    assert shown and is_subsequence(shown, traced_step().format().splitlines())
+    assert re.search(r"wait all_gather \S+", excerpt)
