@@ -47,11 +47,7 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-    is_traceable_wrapper_subclass_type,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass, is_traceable_wrapper_subclass_type
 
 OTHER = "other"  # the category of a storage nobody labelled
 
@@ -125,10 +121,8 @@ class MemTracker(TorchDispatchMode):
 
     def category(self, t: torch.Tensor) -> str | None:
         """The category of the storage holding ``t`` (None if we do not track it)."""
-        for storage in _storages(t):
-            entry = self._entries.get(id(storage))
-            return None if entry is None else entry.category
-        return None
+        entry = next((self._entries.get(id(storage)) for storage in _storages(t)), None)
+        return None if entry is None else entry.category
 
     def live_storages(self) -> list[LiveStorage]:
         """Every live tracked storage, largest first: to find out what holds the bytes."""
@@ -184,9 +178,8 @@ class MemTracker(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor, origin: str, category: str | None = None) -> None:
         for storage in _storages(t):
-            if self.device is not None and storage.device.type != self.device:
-                continue
-            self._see_storage(storage, origin, category)
+            if self.device is None or storage.device.type == self.device:
+                self._see_storage(storage, origin, category)
 
     def _see_storage(self, storage: torch.UntypedStorage, origin: str, category: str | None) -> None:
         with self._lock:

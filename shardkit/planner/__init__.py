@@ -8,11 +8,12 @@ and time at a given bandwidth. With ``budget=`` it also picks ``reshard_after_fo
 group and the prefetch depth that fit, and ``shardkit.apply_plan(model, plan, mesh)``
 shards a real model that way. ``python -m shardkit plan --help`` is the same from a shell.
 
-How the peak is predicted (``profile.py``, ``simulate.py``): one forward and backward of the
-unsharded model on fake tensors counts the bytes of every tensor an operator creates
-(activations, temporaries, activation gradients) at every operator; the runtime's schedule
-then adds, at each operator, the buffers shardkit holds there (all-gather buffers,
-unsharded parameters and gradients, reduce-scatter inputs, sharded gradients).
+How the peak is predicted: one forward and backward of the unsharded model on fake tensors
+(``workload.py`` sets up the step, ``profile.py`` runs it) counts the bytes of every tensor
+an operator creates (activations, temporaries, activation gradients) at every operator; the
+runtime's schedule (``simulate.py``) then adds, at each operator, the buffers shardkit holds
+there (all-gather buffers, unsharded parameters and gradients, reduce-scatter inputs,
+sharded gradients).
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardkit.planner import model as pm
-from shardkit.planner import profile as pp
 from shardkit.planner import simulate as sim
 from shardkit.planner.simulate import Memory
+from shardkit.planner.workload import checkpoint_forward, profile_step
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
 
@@ -103,10 +103,10 @@ def plan(
     ``(dp,)``, ``(dp, tp)`` with ``mesh_dim_names=("dp", "tp")``, or HSDP's ``(replicate,
     shard)``. ``batch_size`` is per data-parallel rank. ``inputs_fn(batch_size, seq_len)``
     returns the forward's positional inputs (built-ins: token ids and, for the GPT, targets);
-    ``loss_fn(output, inputs)`` the loss (default: the output's scalar, else cross-entropy
-    against ``inputs[-1]``... see ``_default_loss``). ``foreach``: the optimizer's
-    multi-tensor path (the CUDA default). ``activation_checkpointing``: each block's forward
-    runs under ``torch.utils.checkpoint`` (non-reentrant) and is recomputed in backward. ``budget``: bytes per rank to fit into, see
+    ``loss_fn(output, inputs)`` the loss (the defaults of both: ``planner/workload.py``).
+    ``foreach``: the optimizer's multi-tensor path (the CUDA default).
+    ``activation_checkpointing``: each block's forward runs under ``torch.utils.checkpoint``
+    (non-reentrant) and is recomputed in backward. ``budget``: bytes per rank to fit into, see
     ``fit_budget``.
 
     Example::
@@ -148,8 +148,8 @@ def plan(
         if activation_checkpointing:
             for g in groups:
                 if g.name:
-                    _checkpoint(g.module)
-        prof = _profile(model, groups, family, batch_size, seq_len, inputs_fn, loss_fn, param_dtype)
+                    checkpoint_forward(g.module)
+        prof = profile_step(model, groups, family, batch_size, seq_len, inputs_fn, loss_fn, param_dtype)
     result = Plan(shape, names, groups, prefetch, sim.simulate(groups, prof, prefetch, optimizer, foreach),
                   {}, bandwidth_gbps, total_params)
     result._profile, result._optimizer, result._foreach = prof, optimizer, foreach
@@ -257,64 +257,3 @@ def _normalize_raf(value: bool | int, world: int) -> bool | int:
     if world % value:
         raise ValueError(f"shardkit plan: reshard_after_forward={value} must divide the shard world {world}")
     return True if value == world else False if value == 1 else value
-
-
-def _profile(model, groups, family, batch_size, seq_len, inputs_fn, loss_fn, param_dtype) -> pp.Profile:
-    """Run the profile on the model as the step computes: in ``param_dtype`` if set."""
-    if param_dtype is not None:
-        _cast_params(model, param_dtype)
-    config = getattr(model, "config", None)
-    seq = seq_len or getattr(config, "block_size", None) or getattr(config, "max_seq", None) or 128
-    vocab = getattr(config, "vocab_size", None) or _vocab(model)
-    if inputs_fn is None:
-        def inputs_fn(b: int, t: int) -> tuple:
-            tokens = torch.randint(vocab, (b, t))
-            return (tokens, torch.randint(vocab, (b, t))) if family == "gpt" else (tokens,)
-        if family is None and loss_fn is None:
-            loss_fn = _token_loss(vocab, batch_size, seq)
-    loss_fn = loss_fn or (_default_loss if family != "llama" else _token_loss(vocab, batch_size, seq))
-    modules = {g.name: (g.module if g.name else model) for g in groups}
-    modules.setdefault("", model)
-    owners = {p.fqn: g.name for g in groups for p in g.params}
-    return pp.run(model, modules, owners, lambda: inputs_fn(batch_size, seq), loss_fn)
-
-
-def _checkpoint(module: nn.Module) -> None:
-    """Run ``module``'s forward under non-reentrant activation checkpointing (its hooks stay outside)."""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = module.forward
-    module.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating parameters to ``dtype`` as new (fake) parameters; tied ones stay tied."""
-    new: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.dtype.is_floating_point:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device), p.requires_grad)
-                setattr(module, name, new[id(p)])
-
-
-def _vocab(model: nn.Module) -> int:
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    return embeddings[0].num_embeddings if embeddings else 2
-
-
-def _default_loss(output: Any, inputs: tuple) -> torch.Tensor:
-    """A scalar output (or the second of a ``(logits, loss)`` pair) is the loss."""
-    if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], torch.Tensor) and output[1].dim() == 0:
-        return output[1]
-    out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    return out if out.dim() == 0 else out.float().mean()
-
-
-def _token_loss(vocab: int, batch: int, seq: int):
-    """Cross-entropy of logits against random targets (a language model's loss)."""
-    def loss(output: Any, inputs: tuple) -> torch.Tensor:
-        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-        targets = torch.randint(vocab, logits.shape[:-1])
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-    return loss

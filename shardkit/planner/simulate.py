@@ -75,67 +75,130 @@ def optimizer_step_temporaries(groups: list[GroupInfo], optimizer: str, foreach:
 
 
 def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str, foreach: bool, rank: int = 0) -> Memory:
+    """The memory of one training step on ``rank``: the persistent state, and the peak over the
+    profile's operators (``depth`` all-gathers prefetched) and the optimizer step."""
     params, grads, optim = persistent_state(groups, optimizer, rank)
     presence = sum(len(ps) * ps[0].reduce_dtype.itemsize for g in groups for ps in _trainable_buckets(g))
     mem = Memory(params, grads, optim, presence)
-    n = max(prof.end, 1)
-    lines = {kind: torch.zeros(n + 1, dtype=torch.int64) for kind in KINDS}  # difference arrays over op indices
+    schedule = _schedule(groups, prof, depth)
+    timeline = _Timeline(max(prof.end, 1))
+    for name in schedule.order:
+        _hold_parameters(timeline, schedule, schedule.groups[name])
+        _hold_gradients(timeline, schedule, schedule.groups[name], prof)
+    _hold_reductions(timeline, schedule, rank)
+    _forward_backward_peak(mem, timeline, prof, schedule.order)
+    _optimizer_step_peak(mem, groups, optimizer, foreach, rank)
+    return mem
 
-    def hold(kind: str, start: int, end: int, nbytes: int) -> None:
-        start, end = max(0, min(start, n)), max(0, min(end, n))
+
+class _Timeline:
+    """Bytes of each kind held at each operator, kept as difference arrays over op indices."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.lines = {kind: torch.zeros(n + 1, dtype=torch.int64) for kind in KINDS}
+
+    def hold(self, kind: str, start: int, end: int, nbytes: int) -> None:
+        """``nbytes`` of ``kind`` held from op ``start`` up to, not including, op ``end``."""
+        start, end = max(0, min(start, self.n)), max(0, min(end, self.n))
         if nbytes and end > start:
-            lines[kind][start] += nbytes
-            lines[kind][end] -= nbytes
+            self.lines[kind][start] += nbytes
+            self.lines[kind][end] -= nbytes
 
+    def levels(self) -> dict[str, torch.Tensor]:
+        """Bytes of each kind held at each op."""
+        return {kind: line.cumsum(0)[: self.n] for kind, line in self.lines.items()}
+
+
+@dataclass
+class _Schedule:
+    """Where each profiled group runs and where its all-gathers are issued, by group name."""
+
+    groups: dict[str, GroupInfo]
+    forward: dict[str, tuple[int, int]]  # (start, end) op indices, in forward order
+    backward: dict[str, tuple[int, int]]  # same keys; a group with no backward of its own spans the whole of it
+    issue_forward: dict[str, int]
+    issue_backward: dict[str, int]  # only the groups that reshard, and so all-gather again
+
+    @property
+    def order(self) -> list[str]:
+        return list(self.forward)
+
+
+def _schedule(groups: list[GroupInfo], prof: Profile, depth: int) -> _Schedule:
+    """The groups' spans in ``prof``, and their all-gathers' issue points with ``depth`` prefetched."""
     by_name = {g.name: g for g in groups}
-    fwd = {g: prof.forward[g] for g in prof.forward_order() if g in by_name}
-    bwd = {g: (prof.backward.get(g, (prof.backward_start, n))[0], _end(prof, g)) for g in fwd}
-    order = list(fwd)
-    issue = _issue_points(order, {g: fwd[g][0] for g in order}, depth, lambda g: True)
-    post_order = sorted(order, key=lambda g: fwd[g][1])
-    regather = lambda g: _reshards(by_name[g]) and g in prof.backward  # noqa: E731
+    forward = {g: prof.forward[g] for g in prof.forward_order() if g in by_name}
+    backward = {g: (prof.backward[g][0] if g in prof.backward else prof.backward_start, _end(prof, g)) for g in forward}
+    order = list(forward)
+    issue_forward = _issue_points(order, {g: forward[g][0] for g in order}, depth, lambda g: True)
+    post_order = sorted(order, key=lambda g: forward[g][1])
     back_order = [g for g in reversed(post_order) if g in prof.backward]
-    issue_back = _issue_points(back_order, {g: bwd[g][0] for g in back_order}, depth, regather)
+    issue_backward = _issue_points(back_order, {g: backward[g][0] for g in back_order}, depth, lambda g: _reshards(by_name[g]))
+    return _Schedule(by_name, forward, backward, issue_forward, issue_backward)
 
-    for name in order:
-        g, raf = by_name[name], _raf(by_name[name])
-        (f_start, f_end), (b_start, b_end) = fwd[name], bwd[name]
-        release = f_end if raf is not False else b_end
-        hold("unsharded parameters", issue[name], release, g.unsharded_bytes())
-        hold("all-gather buffers", issue[name], f_start, _all_gather_buffers(g, g.params[0].world))
-        if name in issue_back:
-            hold("unsharded parameters", issue_back[name], b_end, g.unsharded_bytes())
-            ranks = raf if raf is not True else g.params[0].world
-            hold("all-gather buffers", issue_back[name], b_start, _all_gather_buffers(g, ranks))
-            if raf is not True:  # the post-forward shard, kept until the backward all-gather is waited for
-                hold("unsharded parameters", f_end, b_start, sum(p.post_forward_numel(raf) * p.param_dtype.itemsize for p in g.params))
-        for p in g.params:
-            if p.fqn in prof.grad_arrival:
-                hold("gradient buffers", prof.grad_arrival[p.fqn], b_end, math.prod(p.shape) * p.param_dtype.itemsize)
 
-    reductions = sorted(order, key=lambda g: bwd[g][1])  # in the order they are issued
+def _hold_parameters(timeline: _Timeline, schedule: _Schedule, g: GroupInfo) -> None:
+    """A group's all-gather buffers and unsharded parameters: in forward, and again in backward
+    when it reshards after forward (with the post-forward shard in between)."""
+    raf = _raf(g)
+    (forward_start, forward_end), (backward_start, backward_end) = schedule.forward[g.name], schedule.backward[g.name]
+    issued = schedule.issue_forward[g.name]
+    timeline.hold("unsharded parameters", issued, forward_end if raf is not False else backward_end, g.unsharded_bytes())
+    timeline.hold("all-gather buffers", issued, forward_start, _all_gather_buffers(g, g.params[0].world))
+    if g.name not in schedule.issue_backward:
+        return
+    issued = schedule.issue_backward[g.name]
+    timeline.hold("unsharded parameters", issued, backward_end, g.unsharded_bytes())
+    ranks = raf if raf is not True else g.params[0].world
+    timeline.hold("all-gather buffers", issued, backward_start, _all_gather_buffers(g, ranks))
+    if raf is not True:  # the post-forward shard, kept until the backward all-gather is waited for
+        shard = sum(p.post_forward_numel(raf) * p.param_dtype.itemsize for p in g.params)
+        timeline.hold("unsharded parameters", forward_end, backward_start, shard)
+
+
+def _hold_gradients(timeline: _Timeline, schedule: _Schedule, g: GroupInfo, prof: Profile) -> None:
+    """Each parameter's unsharded gradient, from its first accumulation to the group's post-backward."""
+    backward_end = schedule.backward[g.name][1]
+    for p in g.params:
+        if p.fqn in prof.grad_arrival:
+            timeline.hold("gradient buffers", prof.grad_arrival[p.fqn], backward_end, math.prod(p.shape) * p.param_dtype.itemsize)
+
+
+def _hold_reductions(timeline: _Timeline, schedule: _Schedule, rank: int) -> None:
+    """Each reduce-scatter's input from its group's post-backward until it finishes, at worst
+    when the one ``MAX_REDUCING`` later is issued (or at the end); its sharded gradients after."""
+    reductions = sorted(schedule.order, key=lambda g: schedule.backward[g][1])  # in the order they are issued
     for i, name in enumerate(reductions):
-        issued = bwd[name][1]
-        finished = bwd[reductions[i + MAX_REDUCING]][1] if i + MAX_REDUCING < len(reductions) else n
-        for ps in _trainable_buckets(by_name[name]):
+        issued = schedule.backward[name][1]
+        finished = schedule.backward[reductions[i + MAX_REDUCING]][1] if i + MAX_REDUCING < len(reductions) else timeline.n
+        for ps in _trainable_buckets(schedule.groups[name]):
             send = ps[0].world * (sum(p.shard_numel for p in ps) + len(ps)) * ps[0].reduce_dtype.itemsize
-            hold("gradient buffers", issued, finished, send)
-            hold("sharded gradients", finished, n + 1, _sharded_grad_bytes(ps, rank))
+            timeline.hold("gradient buffers", issued, finished, send)
+            timeline.hold("sharded gradients", finished, timeline.n + 1, _sharded_grad_bytes(ps, rank))
 
-    levels = {kind: line.cumsum(0)[:n] for kind, line in lines.items()}  # bytes held at each op
+
+def _forward_backward_peak(mem: Memory, timeline: _Timeline, prof: Profile, order: list[str]) -> None:
+    """Set ``mem``'s peak over the profile's ops: its size, where it is, what it is made of."""
+    n = timeline.n
+    levels = timeline.levels()
     compute = torch.tensor(prof.curve[:n] + [0] * (n - len(prof.curve[:n])), dtype=torch.int64)
-    total = params + optim + presence + compute + sum(levels.values())  # presence: made at the first backward, kept
+    # The grad-presence columns are made at the first backward and kept; we count them throughout.
+    kept = {"parameters": mem.params, "optimizer state": mem.optimizer, "grad-presence columns": mem.bookkeeping}
+    total = sum(kept.values()) + compute + sum(levels.values())
     k = int(total.argmax())
     mem.peak, mem.peak_at = int(total[k]), _where(prof, order, k)
-    mem.at_peak = {"parameters": params, "optimizer state": optim, "grad-presence columns": presence, **{kind: int(lv[k]) for kind, lv in levels.items()},
-                   "activations and temporaries": int(compute[k])}
-    mem.max_of = {**{kind: int(lv.max()) for kind, lv in levels.items()}, "activations and temporaries": int(compute.max())}
+    mem.at_peak = {**kept, **{kind: int(level[k]) for kind, level in levels.items()}, "activations and temporaries": int(compute[k])}
+    mem.max_of = {**{kind: int(level.max()) for kind, level in levels.items()}, "activations and temporaries": int(compute.max())}
+
+
+def _optimizer_step_peak(mem: Memory, groups: list[GroupInfo], optimizer: str, foreach: bool, rank: int) -> None:
+    """The optimizer step holds the persistent state and its temporaries: the peak when that is higher."""
     step = mem.persistent + optimizer_step_temporaries(groups, optimizer, foreach, rank)
     if step > mem.peak:
         mem.peak, mem.peak_at = step, "optimizer step"
-        mem.at_peak = {"parameters": params, "optimizer state": optim, "grad-presence columns": presence, "sharded gradients": grads,
-                       "optimizer temporaries": step - mem.persistent}
-    return mem
+        mem.at_peak = {"parameters": mem.params, "optimizer state": mem.optimizer, "grad-presence columns": mem.bookkeeping,
+                       "sharded gradients": mem.grads, "optimizer temporaries": step - mem.persistent}
 
 
 def _issue_points(order: list[str], starts: dict[str, int], depth: int, needs) -> dict[str, int]:
