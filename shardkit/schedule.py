@@ -30,7 +30,7 @@ from torch.autograd import Variable
 from shardkit.comm import trace
 from shardkit.comm.streams import streams_for
 from shardkit.param_group import ParamGroup, Storage
-from shardkit.state import Event, GroupState, Phase, Root, rule_for
+from shardkit.state import RULES, Event, GroupState, Phase, Root, rule_for
 from shardkit.tensors import on_input_grads, on_output_grads, to_device
 
 MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
@@ -94,12 +94,12 @@ class Schedule:
     def fire(self, state: GroupState, event: Event, call: Call | None = None) -> None:
         """The one writer of a group's phase: enter the rule's phase, then run its actions."""
         old = state.step.phase
-        rule = rule_for(old, event, state.name)
+        rule = RULES.get((old, event)) or rule_for(old, event, state.name)  # rule_for raises
         state.step.phase = rule.next
         if trace.is_recording() and (rule.actions or rule.next is not old):
             trace.record("phase", state.name, f"{event.value}: {old.value} -> {rule.next.value}")
-        for action in rule.actions:
-            getattr(self, action.value)(state, call)
+        for method in rule.methods:
+            getattr(self, method)(state, call)
 
     def end_backward(self) -> None:
         """The final autograd callback: reduce what did not reduce, finish every reduction (the
@@ -289,12 +289,12 @@ class Schedule:
 
 
 # Autograd calls these during backward; they find the root's schedule of the moment (it may
-# have become its lockstep variant since the forward). Dynamo leaves them out, as the hooks.
+# have become its lockstep variant since the forward). Dynamo leaves the tensor hook out, as
+# the module hooks.
 @torch.compiler.disable
 def _pre_backward(state: GroupState, grad: torch.Tensor) -> None:
     state.schedule.pre_backward(state)
 
 
-@torch.compiler.disable
 def _post_backward(state: GroupState) -> None:
     state.schedule.post_backward(state)

@@ -16,6 +16,7 @@ Whether a group's parameters are sharded or unsharded is a second, orthogonal st
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,11 @@ class Rule:
     next: Phase
     actions: tuple[Action, ...]
     why: str
+
+    @functools.cached_property
+    def methods(self) -> tuple[str, ...]:
+        """The actions' ``Schedule`` method names (looked up once: enum values are slow)."""
+        return tuple(a.value for a in self.actions)
 
 
 P, E, A = Phase, Event, Action
