@@ -120,14 +120,19 @@ def test_set_is_last_backward_before_the_first_forward():
         assert net._shardkit().schedule.orders.post_forward == []
 
 
+def gathered_after(t: shardkit.Trace, phase: str, n: int) -> list[str]:
+    """The groups of the ``n`` all-gathers that follow the phase line ``phase``."""
+    lines = [str(e).split(" float32")[0] for e in t.events if e.kind in ("all_gather", "phase")]
+    i = lines.index(f"phase {phase}")
+    return [line.removeprefix("all_gather ") for line in lines[i + 1 : i + 1 + n]]
+
+
 def test_set_modules_to_forward_prefetch_before_the_first_forward():
     with fake_world(4) as mesh:
         net = sharded(mesh)
         net.blocks[0].set_modules_to_forward_prefetch([net.blocks[1], net.blocks[2]])
         t = first_step(net)
-    lines = [str(e).split(" float32")[0] for e in t.events if e.kind in ("all_gather", "phase")]
-    i = lines.index("phase blocks.0 pre_forward: IDLE -> FORWARD")
-    assert lines[i + 1 : i + 4] == ["all_gather blocks.0", "all_gather blocks.1", "all_gather blocks.2"]
+    assert gathered_after(t, "blocks.0 pre_forward: IDLE -> FORWARD", 3) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 def test_set_modules_to_backward_prefetch_before_the_first_forward():
@@ -135,9 +140,7 @@ def test_set_modules_to_backward_prefetch_before_the_first_forward():
         net = sharded(mesh)
         net.blocks[2].set_modules_to_backward_prefetch([net.blocks[1], net.blocks[0]])
         t = first_step(net)
-    lines = [str(e).split(" float32")[0] for e in t.events if e.kind in ("all_gather", "phase")]
-    i = lines.index("phase blocks.2 pre_backward: IDLE -> PRE_BACKWARD")
-    assert lines[i + 1 : i + 3] == ["all_gather blocks.1", "all_gather blocks.0"]
+    assert gathered_after(t, "blocks.2 pre_backward: IDLE -> PRE_BACKWARD", 2) == ["blocks.1", "blocks.0"]
 
 
 def divide_factors(net: nn.Module, monkeypatch) -> dict[str, float]:

@@ -155,18 +155,19 @@ def test_a_forward_that_skips_a_block_frees_the_prefetched_group():
         assert gathered_blocks(net) == []
 
 
-def reductions(t: shardkit.Trace) -> str:
-    """When each reduce-scatter is issued and when it is finished (waited for, handed to .grad)."""
+def reductions() -> str:
+    """In a second step: when each reduce-scatter is issued and when it is finished (waited
+    for, handed to .grad)."""
+    with fake_world(4, 0) as mesh:
+        net = sharded(mesh)
+        step(net)
+        t = step(net)
     keep = [e for e in t.events if e.kind == "reduce_scatter" or e.kind == "wait" and e.detail == "reduce_scatter"]
     return "\n".join(str(e) for e in keep)
 
 
 def test_reduce_scatters_finish_once_done_at_the_next_post_backward():
-    with fake_world(4, 0) as mesh:
-        net = sharded(mesh)
-        step(net)
-        t = step(net)
-    assert_expected_inline(reductions(t), """\
+    assert_expected_inline(reductions(), """\
 reduce_scatter blocks.3 float32 numel=80 world=4 mesh=dim0
 reduce_scatter blocks.2 float32 numel=80 world=4 mesh=dim0
 wait reduce_scatter blocks.3
@@ -181,11 +182,7 @@ wait reduce_scatter <root>""")
 
 def test_reduce_scatters_that_do_not_complete_finish_oldest_first_two_in_flight(monkeypatch):
     monkeypatch.setattr(Handle, "poll", lambda self: False)  # a network slower than the compute
-    with fake_world(4, 0) as mesh:
-        net = sharded(mesh)
-        step(net)
-        t = step(net)
-    assert_expected_inline(reductions(t), """\
+    assert_expected_inline(reductions(), """\
 reduce_scatter blocks.3 float32 numel=80 world=4 mesh=dim0
 reduce_scatter blocks.2 float32 numel=80 world=4 mesh=dim0
 reduce_scatter blocks.1 float32 numel=80 world=4 mesh=dim0
