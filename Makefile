@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 # Pinned on purpose: a bare `torch` would pull a multi-GB CUDA build; 2.13.0 resolves to the CPU wheel on disk.
 TORCH_SPEC ?= torch==2.13.0
+# Test-only: what users combine with FSDP (float8 / NF4 weights); never imported by shardkit.
+TEST_DEPS ?= torchao==0.18.0
 # Extra flags for demo/train.py, e.g. make demo ARGS="--steps 100".
 ARGS ?=
 
@@ -17,10 +19,11 @@ venv: $(STAMP)
 # Torch first and pinned, then the test tools, then shardkit itself with --no-deps so that
 # nothing it declares can swap the torch we chose. numpy: the CPU torch wheel does not pull it
 # in, but torch.distributed's *_object collectives (all_gather_object, ...) need it.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install numpy rich pytest expecttest
+	$(VENV)/bin/pip install --no-deps $(TEST_DEPS)
 	$(VENV)/bin/pip install --no-deps -e .
 	touch $@
 
@@ -37,7 +40,7 @@ bench: $(STAMP)
 # races (shardkit/comm/sim.py); each process prints "sim streams: N accesses checked, ...".
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
-	tests/gloo/test_checkpoint.py
+	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests

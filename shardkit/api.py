@@ -74,7 +74,7 @@ def fully_shard(
     managed, nested = _managed_modules(modules)
     slots, borrowed = _param_slots(managed, ignored)
     _move_buffers(managed, device)
-    options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory)
+    options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory, mp_policy)
     params = [_shard_param(p, s, mesh, device, shard_placement_fn, options) for p, s in slots.items()]
     options = GroupOptions(reshard_after_forward)
     group = ParamGroup(params, mesh, options, post_forward_mesh) if params else None

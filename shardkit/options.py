@@ -46,3 +46,4 @@ class ParamOptions:
     reduce_dtype: torch.dtype | None = None
     offload: bool = False  # CPUOffloadPolicy
     pin_memory: bool = False
+    mp_policy: Any = None  # the MixedPrecisionPolicy itself, for fsdp_pre_all_gather

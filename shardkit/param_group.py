@@ -33,10 +33,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit import optim
 from shardkit.comm import collectives, trace
-from shardkit.comm.buckets import Bucket, buckets
+from shardkit.comm.buckets import Bucket, GatherBucket, reduce_buckets
 from shardkit.comm.collectives import Comm, PendingAllGather, PendingReduction
 from shardkit.comm.streams import streams_for
-from shardkit.dtensor.sharded_param import ShardedParam, free_storage
+from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.options import GroupOptions
 
 
@@ -55,9 +55,9 @@ class Layout:
     comm: Comm  # the dim the parameters are sharded over
     replicate: Comm | None  # HSDP: the replicate dim
     post_forward: Comm | None  # reshard_after_forward=R: R consecutive ranks of the shard dim
-    all_gather: list[Bucket]  # one per param_dtype
+    all_gather: GatherBucket
     reduce_scatter: list[Bucket]  # one per reduce_dtype
-    post_forward_buckets: list[Bucket]
+    post_forward_bucket: GatherBucket | None
     partial: dict = field(default_factory=dict)  # HSDP sums not yet all-reduced, by bucket
     gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
 
@@ -132,13 +132,12 @@ class ParamGroup:
         streams = streams_for(self.params[0].device)
         comm = Comm.of(mesh, mesh.ndim - 1, streams)
         replicate = Comm.of(mesh, 0, streams) if mesh.ndim == 2 else None
-        post, post_buckets = None, []
+        post, post_bucket = None, None
         if post_mesh is not None:  # "dp/R" in the trace
             post = Comm.of(post_mesh, 1, streams, f"{comm.mesh_dim}/{post_mesh.size(1)}")
-            post_buckets = buckets(self.params, "param_dtype", post.world, post_forward=True)
-        all_gather = buckets(self.params, "param_dtype", self.world)
-        reduce_scatter = buckets(self.params, "reduce_dtype", self.world)
-        self.layout = Layout(comm, replicate, post, all_gather, reduce_scatter, post_buckets)
+            post_bucket = GatherBucket(self.params, post.world, post_forward=True)
+        all_gather = GatherBucket(self.params, self.world)
+        self.layout = Layout(comm, replicate, post, all_gather, reduce_buckets(self.params, self.world), post_bucket)
 
     # Unshard / reshard -------------------------------------------------------------------
     def unshard(self) -> None:
@@ -162,11 +161,11 @@ class ParamGroup:
             self.lazy_init()
         layout = self.layout
         if self.holds_post_forward and layout.post_forward is not None and self._fresh():
-            comm, buckets = layout.post_forward, layout.post_forward_buckets
+            comm, bucket = layout.post_forward, layout.post_forward_bucket
         else:
-            comm, buckets = layout.comm, layout.all_gather
+            comm, bucket = layout.comm, layout.all_gather
             layout.gathered_version = self._shard_version()
-        self.gathering = [collectives.all_gather(b, comm, self.name) for b in buckets]
+        self.gathering = [collectives.all_gather(bucket, comm, self.name)]
         self._drop_post_forward()  # the handles keep them until the all-gather is waited for
         self.storage = Storage.GATHERING
         _live.add(self)
@@ -210,7 +209,7 @@ class ParamGroup:
             self.storage = Storage.KEPT
         if free and self.storage is Storage.KEPT:
             for p in self.params:
-                free_storage(p.unsharded_flat)
+                p.free_unsharded()
             self.storage = Storage.SHARDED
             if not self.holds_post_forward:
                 _live.discard(self)

@@ -1,9 +1,8 @@
-"""Buckets: the parameters of a group that travel in one collective (one dtype, one layout).
+"""Buckets: the parameters of a group that travel in one collective, and their layout.
 
-A group with parameters of several dtypes (under a ``MixedPrecisionPolicy``, or mixed
-already) issues one all-gather per ``param_dtype`` and one reduce-scatter per
-``reduce_dtype``; usually a group is one bucket each way. ``comm/collectives.py`` draws the
-layout.
+A group's all-gather is always one collective (``GatherBucket``): inputs of several dtypes
+travel as bytes. Its reduce-scatter is one per ``reduce_dtype`` (``Bucket``); usually one.
+``comm/collectives.py`` draws the layout.
 """
 
 from __future__ import annotations
@@ -13,51 +12,28 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.dtensor.sharded_param import ShardedParam
+from shardkit.dtensor.sharded_param import ShardedParam, alloc_storage
 
 
 @dataclass
 class Bucket:
-    """Parameters of one group that travel in one collective: one dtype, one layout. Built at
-    lazy init, when the padded shards and unsharded buffers exist; what a collective needs
-    from it each step (views, flags) is worked out once."""
+    """Parameters of one group whose gradients travel in one reduce-scatter (one
+    ``reduce_dtype``). Built at lazy init."""
 
     params: list[ShardedParam]
     dtype: torch.dtype  # what the collective carries
     world: int  # ranks it spans
     shard_numels: list[int]  # padded shard elements per parameter
-    post_forward: bool = False  # all-gather the post-forward shards instead of the padded shards
 
     @functools.cached_property
     def per_rank(self) -> int:
-        """One rank's all-gather input / reduce-scatter output (without the presence column)."""
+        """One rank's reduce-scatter output (without the presence column)."""
         return sum(self.shard_numels)
 
     @functools.cached_property
     def by_rows(self) -> bool:
         """Every parameter split along dim 0: the collectives' layout is the unsharded one."""
         return all(p.dim == 0 for p in self.params)
-
-    @functools.cached_property
-    def copy_in_converts(self) -> bool:
-        """Copy-in casts (mixed precision) or moves host-to-device (offload); post-forward
-        shards are already in param_dtype on the device."""
-        return not self.post_forward and any(p.dtype != self.dtype or p.shard_device != p.device for p in self.params)
-
-    @functools.cached_property
-    def in_place(self) -> bool:
-        """One parameter split by rows: gathered straight into its unsharded buffer, no copy-out."""
-        return len(self.params) == 1 and self.by_rows
-
-    @functools.cached_property
-    def padded_inputs(self) -> list[torch.Tensor]:
-        return [p.padded_shard.view(-1) for p in self.params]
-
-    @functools.cached_property
-    def columns(self) -> list[torch.Tensor]:
-        """Copy-out targets: each unsharded buffer as (world, shard_numel). Made at the first
-        all-gather, while the storage is allocated; views survive its later resizes."""
-        return [p.unsharded_flat[: self.world * n].view(self.world, n) for p, n in zip(self.params, self.shard_numels)]
 
     @functools.cached_property
     def all_present(self) -> torch.Tensor:
@@ -69,26 +45,109 @@ class Bucket:
     def subsets(self) -> dict[tuple[int, ...], "Bucket"]:
         return {}
 
-    def inputs(self) -> list[torch.Tensor]:
-        """Each parameter's all-gather input, flat (cast or moved on copy-in if need be)."""
-        if self.post_forward:
-            return [p.post_forward_shard for p in self.params]
-        return self.padded_inputs
-
     def subset(self, params: list[ShardedParam]) -> "Bucket":
         """The same layout for some of the parameters (the trainable ones), made once per set."""
         key = tuple(map(id, params))
         if key not in self.subsets:
             numels = [n for p, n in zip(self.params, self.shard_numels) if p in params]
-            self.subsets[key] = Bucket(params, self.dtype, self.world, numels, self.post_forward)
+            self.subsets[key] = Bucket(params, self.dtype, self.world, numels)
         return self.subsets[key]
 
 
-def buckets(params: list[ShardedParam], key: str, world: int, post_forward: bool = False) -> list[Bucket]:
-    """One bucket per value of ``p.<key>`` (``param_dtype`` for all-gathers, ``reduce_dtype``
-    for reduce-scatters)."""
+class GatherBucket:
+    """What one all-gather carries: every parameter of a group, end to end. Each parameter
+    sends one input (its padded shard in ``param_dtype``, or its post-forward shard), or the
+    inputs its ``fsdp_pre_all_gather`` returns (``dtensor/extension.py``). All inputs of one
+    dtype travel as that dtype; inputs of several (float8 weights next to fp32 norms, mixed
+    ``param_dtype``s) travel as bytes: still one collective.
+
+    The pieces (inputs) and their sizes are known at the first all-gather, when the hooks
+    have run once; they must not change afterwards."""
+
+    def __init__(self, params: list[ShardedParam], world: int, post_forward: bool = False) -> None:
+        self.params, self.world, self.post_forward = params, world, post_forward
+        self.hooked = not post_forward and any(p.extension is not None for p in params)
+        self.owners: list[ShardedParam] = []  # per piece, its parameter
+        self.dtypes: list[torch.dtype] = []  # per piece, the dtype it travels in (before bytes)
+        self.numels: list[int] = []  # per piece, elements of that dtype
+        if not self.hooked:
+            numel = (lambda p: p.post_forward_numel) if post_forward else (lambda p: p.shard_numel)
+            self._set_pieces(params, [numel(p) for p in params])
+
+    def _set_pieces(self, owners: list[ShardedParam], numels: list[int], dtypes=None) -> None:
+        self.owners, self.numels = owners, numels
+        self.dtypes = dtypes or [p.param_dtype for p in owners]
+        self.dtype = self.dtypes[0] if len(set(self.dtypes)) == 1 else torch.uint8
+        self.sizes = self.numels if self.dtype is not torch.uint8 else [n * d.itemsize for n, d in zip(numels, self.dtypes)]
+        self.per_rank = sum(self.sizes)  # one rank's input, in ``dtype`` elements
+
+    def inputs(self) -> list[torch.Tensor]:
+        """Every piece, flat (cast or moved on copy-in if need be); makes room for the outputs
+        (on the compute stream: see the Note in streams.py)."""
+        if not self.hooked:
+            for p in self.params:
+                alloc_storage(p.unsharded_flat)
+            return [p.post_forward_shard for p in self.params] if self.post_forward else self._padded_inputs
+        inputs, owners, dtypes = [], [], []
+        for p in self.params:
+            mine = p.all_gather_inputs()
+            if p.extension is None:
+                alloc_storage(p.unsharded_flat)
+            else:
+                p.extension.alloc_outputs(mine, self.world, p.device)
+            inputs += mine
+            owners += [p] * len(mine)
+            dtypes += [p.param_dtype] if p.extension is None else [x.dtype for x in mine]
+        numels = [x.numel() for x in inputs]
+        if not self.owners:
+            self._set_pieces(owners, numels, dtypes)
+        elif (numels, dtypes) != (self.numels, self.dtypes):
+            raise ValueError(f"the all-gather inputs of {[p.fqn for p in self.params]} changed between steps: {numels} {dtypes}, were {self.numels} {self.dtypes}.")
+        return inputs
+
+    @functools.cached_property
+    def _padded_inputs(self) -> list[torch.Tensor]:
+        return [p.padded_shard.view(-1) for p in self.params]
+
+    @functools.cached_property
+    def by_rows(self) -> bool:
+        """Every piece is laid out rank-major (a plain parameter split along dim 0, or a hooked
+        one): copy-out is one split of the output."""
+        return all(p.dim == 0 or p.extension is not None for p in self.params)
+
+    @functools.cached_property
+    def copy_in_converts(self) -> bool:
+        """Copy-in casts (mixed precision, bytes) or moves host-to-device (offload); post-forward
+        shards are already in param_dtype on the device, and hooks return what to send."""
+        if self.dtype is torch.uint8 and len(set(self.dtypes)) > 1:
+            return True
+        plain = [p for p in self.params if p.extension is None]
+        return not self.post_forward and any(p.dtype != p.param_dtype or p.shard_device != p.device for p in plain)
+
+    @functools.cached_property
+    def in_place(self) -> bool:
+        """One piece laid out by rows: gathered straight into its buffer, no copy-out."""
+        return len(self.owners) == 1 and self.by_rows
+
+    @functools.cached_property
+    def columns(self) -> list[torch.Tensor]:
+        """Copy-out targets: each piece's buffer as (world, size) in ``dtype``. Made at the
+        first all-gather, while the storage is allocated; views survive its later resizes."""
+        targets, seen = [], {}
+        for p, n in zip(self.owners, self.numels):
+            if p.extension is None:
+                target = p.unsharded_flat[: self.world * n]
+            else:
+                seen[p] = seen.get(p, -1) + 1
+                target = p.extension.targets[seen[p]]
+            target = target.view(self.world, n)
+            targets.append(target.view(torch.uint8) if self.dtype is torch.uint8 else target)
+        return targets
+
+
+def reduce_buckets(params: list[ShardedParam], world: int) -> list[Bucket]:
+    """One reduce-scatter bucket per ``reduce_dtype``."""
     by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
     for p in params:
-        by_dtype.setdefault(getattr(p, key), []).append(p)
-    numel = (lambda p: p.post_forward_numel) if post_forward else (lambda p: p.shard_numel)
-    return [Bucket(ps, dtype, world, [numel(p) for p in ps], post_forward) for dtype, ps in by_dtype.items()]
+        by_dtype.setdefault(p.reduce_dtype, []).append(p)
+    return [Bucket(ps, dtype, world, [p.shard_numel for p in ps]) for dtype, ps in by_dtype.items()]

@@ -31,9 +31,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.comm import check, trace
-from shardkit.comm.buckets import Bucket
+from shardkit.comm.buckets import Bucket, GatherBucket
 from shardkit.comm.streams import Collective, Handle, Streams
-from shardkit.dtensor.sharded_param import alloc_storage
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,20 +62,17 @@ class Comm:
 # All-gather --------------------------------------------------------------------------------
 @dataclass
 class PendingAllGather:
-    bucket: Bucket
+    bucket: GatherBucket
     handle: Handle
     output: torch.Tensor  # (world * per_rank,): copied out once the handle is waited for
 
 
-def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
+def all_gather(bucket: GatherBucket, comm: Comm, name: str) -> PendingAllGather:
     """Issue one all-gather of the bucket's shards (``finish_all_gather`` copies them out)."""
-    for p in bucket.params:
-        alloc_storage(p.unsharded_flat)  # on the compute stream (see the Note in streams.py)
+    inputs = bucket.inputs()  # and room for the outputs, on the compute stream (see the Note in streams.py)
     numel = comm.world * bucket.per_rank
     traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "all_gather", name, bucket.dtype, numel, comm.world)
-
-    inputs = bucket.inputs()
 
     def launch(async_op: bool):
         send = _copy_in(bucket, inputs)  # (per_rank,)
@@ -89,37 +85,41 @@ def all_gather(bucket: Bucket, comm: Comm, name: str) -> PendingAllGather:
 
 
 def finish_all_gather(pending: PendingAllGather) -> None:
-    """Wait for the all-gather; then the unsharded buffers hold the gathered data."""
+    """Wait for the all-gather; then the unsharded parameters hold the gathered data."""
     pending.handle.wait()
     _copy_out(pending.bucket, pending.output)
+    for p in pending.bucket.params:
+        p.gathered()
 
 
-def _copy_in(bucket: Bucket, inputs: list[torch.Tensor]) -> torch.Tensor:
+def _copy_in(bucket: GatherBucket, inputs: list[torch.Tensor]) -> torch.Tensor:
     """The inputs end to end in the bucket's dtype on the compute device: a view of the one
-    input, a ``torch.cat``, or, when a cast (mixed precision) or a host-to-device copy
+    input, a ``torch.cat``, or, when a cast (mixed precision, bytes) or a host-to-device copy
     (offload) is due, one ``copy_`` per input into a fresh buffer."""
     if not bucket.copy_in_converts:
         return inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-    send = torch.empty(bucket.per_rank, dtype=bucket.dtype, device=bucket.params[0].device)
-    for piece, x in zip(send.split(bucket.shard_numels), inputs):
+    device = bucket.params[0].device
+    send = torch.empty(bucket.per_rank, dtype=bucket.dtype, device=device)
+    for piece, x, dtype in zip(send.split(bucket.sizes), inputs, bucket.dtypes):
+        if bucket.dtype is torch.uint8 and dtype is not torch.uint8:
+            x = x.to(device, dtype, non_blocking=True).view(torch.uint8)
         piece.copy_(x, non_blocking=True)  # pinned host memory: asynchronous on the side stream
     return send
 
 
-def _copy_out(bucket: Bucket, output: torch.Tensor) -> None:
-    """Each parameter's column block of the (world, per_rank) output into its own buffer."""
-    if not bucket.by_rows:  # some parameter is split along another dim: rearrange per parameter
-        for p, block in zip(bucket.params, output.view(bucket.world, -1).split(bucket.shard_numels, dim=1)):
-            p.copy_out(block)
-        return
+def _copy_out(bucket: GatherBucket, output: torch.Tensor) -> None:
+    """Each piece's column block of the (world, per_rank) output into its own buffer."""
     if bucket.in_place:
         return
-    torch.split_with_sizes_copy(
-        output.view(bucket.world, -1),  # (world, per_rank)
-        bucket.shard_numels,
-        dim=1,
-        out=bucket.columns,  # each (world, shard_numel)
-    )
+    rows = output.view(bucket.world, -1)  # (world, per_rank)
+    if bucket.by_rows:
+        torch.split_with_sizes_copy(rows, bucket.sizes, dim=1, out=bucket.columns)  # each (world, size)
+        return
+    for p, dtype, block, column in zip(bucket.owners, bucket.dtypes, rows.split(bucket.sizes, dim=1), bucket.columns):
+        if p.dim == 0 or p.extension is not None:
+            column.copy_(block)
+        else:  # split along another dim: rearranged per parameter
+            p.copy_out(block if block.dtype == dtype else block.contiguous().view(dtype))
 
 
 # Reduce-scatter ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardkit.dtensor import extension
 from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, with_size
 from shardkit.options import ParamOptions
 
@@ -72,6 +73,8 @@ class ShardedParam:
         local = param._local_tensor if self.tp_spec is not None else param  # what FSDP shards
         self.shape, self.dtype = local.shape, local.dtype
         self.dim = dim
+        self.options = options
+        self.extension = extension.of(local, f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}")
         self.device = device  # where the unsharded parameter lives and the collectives run
         # Mixed precision applies to floating-point parameters only (as in FSDP2).
         floating = self.dtype.is_floating_point
@@ -93,14 +96,16 @@ class ShardedParam:
             where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
             self.spec = dp_tp_spec(mesh, self.tp_spec, dim, where)
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
+        self._shard_mesh: DeviceMesh | None = None  # the hooks' 1-D mesh, made at the first all-gather
         self.unsharded_flat: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
         self._shard(local.detach(), device)
 
     def _my_rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full (TP-local) tensor (a view)."""
-        start = min(self.rank * self.padded_rows, self.shape[self.dim])  # empty tail ranks start at the end
-        return full.narrow(self.dim, start, self.local_rows)
+        """This rank's rows of a full (TP-local) tensor (a view). ``torch.chunk``, as in FSDP2:
+        tensor subclasses (NF4) support it where they do not support slicing."""
+        chunks = torch.chunk(full, self.world, self.dim) if self.local_rows else ()
+        return chunks[self.rank] if self.rank < len(chunks) else full.narrow(self.dim, self.shape[self.dim], 0)
 
     def _shard(self, full: torch.Tensor, device: torch.device) -> None:
         """Build the padded shard and the sharded DTensor parameter from a full tensor."""
@@ -108,8 +113,14 @@ class ShardedParam:
             device = torch.device("cpu")
         device = full.device if full.device.type == "meta" else device  # meta stays meta until to_empty
         pin = self.pin_memory and device.type == "cpu"
-        padded = torch.empty(self.padded_shape, dtype=self.dtype, device=device, pin_memory=pin)
-        if device.type != "meta":
+        if self.extension is not None:  # keep the subclass: it makes its own zeros
+            padded = full.new_zeros(self.padded_shape)
+            padded = padded.to(device) if device.type != "meta" else padded
+            padded = padded.pin_memory() if pin else padded
+            self._valid(padded).copy_(self._my_rows(full))
+        else:
+            padded = torch.empty(self.padded_shape, dtype=self.dtype, device=device, pin_memory=pin)
+        if device.type != "meta" and self.extension is None:
             with torch.no_grad():
                 padded.zero_()
                 self._valid(padded).copy_(self._my_rows(full))
@@ -141,6 +152,7 @@ class ShardedParam:
             self.reduce_dtype = local.dtype if self.reduce_dtype == self.dtype else self.reduce_dtype
         self.dtype, self.spec = local.dtype, registered._spec
         self.unsharded_param = self.unsharded_flat = None
+        self.extension = extension.of(local, self.extension.where) if self.extension else extension.of(local, self.fqn)
 
     @property
     def requires_grad(self) -> bool:
@@ -184,10 +196,11 @@ class ShardedParam:
     def set_post_forward(self, world: int, index: int) -> None:
         """Configure ``reshard_after_forward=world``: this rank keeps chunk ``index`` of ``world``
         (dim-0 parameters only: their unsharded buffer is laid out by rows)."""
-        if self.dim != 0:
+        why = f"sharded on dim {self.dim}" if self.dim != 0 else "with fsdp_pre_all_gather" if self.extension else ""
+        if why:
             raise NotImplementedError(
-                f"reshard_after_forward={world} (an int) with parameter '{self.fqn}' sharded on dim "
-                f"{self.dim} is not supported; pass True, or shard it on dim 0."
+                f"reshard_after_forward={world} (an int) with parameter '{self.fqn}' {why} is not "
+                "supported; pass True or False."
             )
         self.post_forward_rows = padded_rows(self.shape[0], world)
         self.post_forward_numel = self.post_forward_rows * row_numel(tuple(self.shape))
@@ -199,8 +212,9 @@ class ShardedParam:
         self.post_forward_shard = self.unsharded_flat[i * n : (i + 1) * n].clone()  # (post_forward_numel,)
 
     def alloc_unsharded(self) -> None:
-        """Create the unsharded parameter once (storage freed until the first unshard)."""
-        if self.unsharded_param is not None:
+        """Create the unsharded parameter once (storage freed until the first unshard); a
+        parameter with the all-gather hooks gets it from them, at its first all-gather."""
+        if self.unsharded_param is not None or self.extension is not None:
             return
         # world * padded_rows >= R * ceil(rows / R) for every R dividing world: the post-forward
         # all-gather's output fits too.
@@ -215,6 +229,31 @@ class ShardedParam:
         self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
         self.unsharded_padded = self.unsharded_flat.view(padded.shape)
         free_storage(self.unsharded_flat)
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """What this parameter's all-gather carries, flat: its padded shard (cast and moved on
+        copy-in), or the inputs its ``fsdp_pre_all_gather`` returns (extension.py)."""
+        if self.extension is None:
+            return [self.padded_shard.view(-1)]
+        if self._shard_mesh is None:
+            self._shard_mesh = extension.shard_mesh(self.mesh)
+        local = self.sharded_param._local_tensor
+        local = local.to(self.device, non_blocking=True) if local.device != self.device else local
+        module, policy = self.slots[0].module, self.options.mp_policy
+        return self.extension.inputs(local, self._shard_mesh, self.shape, self.padded_shape, module, policy)
+
+    def gathered(self) -> None:
+        """The all-gather's outputs are in place: a parameter with the hooks builds (or updates)
+        its unsharded form from them."""
+        if self.extension is not None:
+            local = self.sharded_param._local_tensor
+            self.unsharded_param = self.extension.build(local, self.unsharded_param, self.shape, self.param_dtype, self.tp_spec, self.requires_grad)
+
+    def free_unsharded(self) -> None:
+        if self.extension is not None:
+            self.extension.free()
+        else:
+            free_storage(self.unsharded_flat)
 
     def to_unsharded(self) -> None:
         if self.unsharded_param.requires_grad != self.requires_grad:

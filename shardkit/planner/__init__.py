@@ -103,7 +103,9 @@ def plan(
     ``(dp,)``, ``(dp, tp)`` with ``mesh_dim_names=("dp", "tp")``, or HSDP's ``(replicate,
     shard)``. ``batch_size`` is per data-parallel rank. ``inputs_fn(batch_size, seq_len)``
     returns the forward's positional inputs (built-ins: token ids and, for the GPT, targets);
-    ``loss_fn(output, inputs)`` the loss (the defaults of both: ``planner/workload.py``).
+    ``loss_fn(output, inputs)`` the loss; by default cross-entropy of the output against
+    random targets for the default token ids, against the last of ``inputs_fn``'s inputs when
+    that holds class indices, else the output's mean (the defaults: ``planner/workload.py``).
     ``foreach``: the optimizer's multi-tensor path (the CUDA default).
     ``activation_checkpointing``: each block's forward runs under ``torch.utils.checkpoint``
     (non-reentrant) and is recomputed in backward. ``budget``: bytes per rank to fit into, see
@@ -125,9 +127,9 @@ def plan(
     tp = shape[names.index("tp")] if "tp" in names else 1
     shard_dim = names.index("shard") if "shard" in names else 0
     world = shape[shard_dim]
-    family = model_fn if isinstance(model_fn, str) else None
+    family = model_fn if isinstance(model_fn, str) and ":" not in model_fn else None  # "module:function" is a factory
     if isinstance(model_fn, str):
-        model_fn = pm.builtin(model_fn, **model_sizes) if ":" not in model_fn else pm.load_factory(model_fn, **model_sizes)
+        model_fn = pm.builtin(family, **model_sizes) if family else pm.load_factory(model_fn, **model_sizes)
     if family == "llama" and tp > 1 and tp_plan is None:
         from shardkit.models.llama import tp_plan as llama_tp_plan
 

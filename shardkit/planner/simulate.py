@@ -7,10 +7,13 @@ For every group the runtime holds, at known points of the step (``hooks.py``):
 - its unsharded parameters, from the issue to the reshard (post-forward with
   ``reshard_after_forward=True``; the end of its backward with ``False``, the root's default);
   with ``reshard_after_forward=R`` the 1/R post-forward shard in between;
-- each parameter's unsharded gradient, from its first accumulation to the group's
-  post-backward;
-- the reduce-scatter input, from the post-backward to its finish: at worst when the group
-  two reductions later is issued (``MAX_REDUCING``) or at the end of backward;
+- each reduce-scatter (``comm/collectives.py``), issued at the group's post-backward and
+  finished at worst when the group two reductions later has issued its own
+  (``MAX_REDUCING``) or at the end of backward: until then, its input ``(world, shard +
+  presence)`` and output chunk in ``reduce_dtype`` and the unsharded gradients it read (the
+  collective keeps them alive); at the issue only, the gradients cast to ``reduce_dtype``
+  (or zeros for a missing one) that the input is copied from;
+- each parameter's unsharded gradient, from its first accumulation to that finish;
 - the sharded gradients, from that finish on.
 
 Adding them to the profile's compute bytes at every operator gives the peak. The optimizer
@@ -84,8 +87,7 @@ def simulate(groups: list[GroupInfo], prof: Profile, depth: int, optimizer: str,
     timeline = _Timeline(max(prof.end, 1))
     for name in schedule.order:
         _hold_parameters(timeline, schedule, schedule.groups[name])
-        _hold_gradients(timeline, schedule, schedule.groups[name], prof)
-    _hold_reductions(timeline, schedule, rank)
+    _hold_reductions(timeline, schedule, prof, rank)
     _forward_backward_peak(mem, timeline, prof, schedule.order)
     _optimizer_step_peak(mem, groups, optimizer, foreach, rank)
     return mem
@@ -157,25 +159,31 @@ def _hold_parameters(timeline: _Timeline, schedule: _Schedule, g: GroupInfo) -> 
         timeline.hold("unsharded parameters", forward_end, backward_start, shard)
 
 
-def _hold_gradients(timeline: _Timeline, schedule: _Schedule, g: GroupInfo, prof: Profile) -> None:
-    """Each parameter's unsharded gradient, from its first accumulation to the group's post-backward."""
-    backward_end = schedule.backward[g.name][1]
-    for p in g.params:
-        if p.fqn in prof.grad_arrival:
-            timeline.hold("gradient buffers", prof.grad_arrival[p.fqn], backward_end, math.prod(p.shape) * p.param_dtype.itemsize)
-
-
-def _hold_reductions(timeline: _Timeline, schedule: _Schedule, rank: int) -> None:
-    """Each reduce-scatter's input from its group's post-backward until it finishes, at worst
-    when the one ``MAX_REDUCING`` later is issued (or at the end); its sharded gradients after."""
+def _hold_reductions(timeline: _Timeline, schedule: _Schedule, prof: Profile, rank: int) -> None:
+    """Each group's reduce-scatters (see the module docstring). The runtime issues them right
+    after the group's last backward op, so the issue is counted at that op: what it then
+    holds, plus what the issue allocates."""
     reductions = sorted(schedule.order, key=lambda g: schedule.backward[g][1])  # in the order they are issued
     for i, name in enumerate(reductions):
-        issued = schedule.backward[name][1]
+        issued = schedule.backward[name][1] - 1
         finished = schedule.backward[reductions[i + MAX_REDUCING]][1] if i + MAX_REDUCING < len(reductions) else timeline.n
+        for p in schedule.groups[name].params:
+            if p.fqn in prof.grad_arrival:  # the unsharded gradient
+                timeline.hold("gradient buffers", prof.grad_arrival[p.fqn], finished, math.prod(p.shape) * p.param_dtype.itemsize)
         for ps in _trainable_buckets(schedule.groups[name]):
-            send = ps[0].world * (sum(p.shard_numel for p in ps) + len(ps)) * ps[0].reduce_dtype.itemsize
-            timeline.hold("gradient buffers", issued, finished, send)
+            itemsize = ps[0].reduce_dtype.itemsize
+            chunk = (sum(p.shard_numel for p in ps) + len(ps)) * itemsize
+            timeline.hold("gradient buffers", issued, finished, (ps[0].world + 1) * chunk)  # input and output
+            # The casts are freed before the output chunk is allocated: the larger of the two counts.
+            timeline.hold("gradient buffers", issued, issued + 1, max(_cast_copies(ps, prof) - chunk, 0))
             timeline.hold("sharded gradients", finished, timeline.n + 1, _sharded_grad_bytes(ps, rank))
+
+
+def _cast_copies(ps: list[ParamInfo], prof: Profile) -> int:
+    """The reduce-scatter input's sources that are not the gradients themselves: each gradient
+    cast to ``reduce_dtype``, and zeros in its place where none arrived."""
+    return sum(math.prod(p.shape) * p.reduce_dtype.itemsize for p in ps
+               if p.param_dtype != p.reduce_dtype or p.fqn not in prof.grad_arrival)
 
 
 def _forward_backward_peak(mem: Memory, timeline: _Timeline, prof: Profile, order: list[str]) -> None:

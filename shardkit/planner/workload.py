@@ -4,7 +4,9 @@ scored by its loss, with activation checkpointing where asked for.
 Without ``inputs_fn`` the step feeds random token ids (and, for the built-in GPT, targets) of
 ``seq_len``, else the model's context length, else 128. Without ``loss_fn`` the loss is
 cross-entropy of the logits against random targets for the built-in Llama and for a factory
-fed those default token ids, and otherwise what ``_default_loss`` finds in the output.
+fed those default token ids (a training loop's separate targets), the loss the model returns
+for the GPT, and for a factory fed ``inputs_fn``'s inputs what ``_default_loss`` says:
+cross-entropy against the last input when that is a tensor of class indices.
 """
 
 from __future__ import annotations
@@ -64,11 +66,28 @@ def _vocab(model: nn.Module) -> int:
 
 
 def _default_loss(output: Any, inputs: tuple) -> torch.Tensor:
-    """A scalar output (or the second of a ``(logits, loss)`` pair) is the loss."""
+    """The loss without ``loss_fn``, as a training loop would compute it from the output.
+
+    A scalar output, or the second of a ``(logits, loss)`` pair, is the loss. Otherwise the
+    output (its first element, or its ``.logits``) of shape ``(..., classes)`` is scored by
+    ``F.cross_entropy(out.reshape(-1, classes), target.reshape(-1))`` against the last input
+    when that is an integer tensor of shape ``(...)`` (token ids or targets): its log-softmax
+    and gradient temporaries are the size of the logits. Any other output is reduced by its
+    mean, which has no such temporaries: pass ``loss_fn`` if the real loss has them.
+    """
     if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], torch.Tensor) and output[1].dim() == 0:
         return output[1]
     out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    return out if out.dim() == 0 else out.float().mean()
+    if out.dim() == 0:
+        return out
+    target = inputs[-1] if inputs else None
+    if _class_indices(target) and out.dim() >= 2 and target.shape == out.shape[:-1]:
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1).long())
+    return out.float().mean()
+
+
+def _class_indices(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _token_loss(vocab: int, batch: int, seq: int):

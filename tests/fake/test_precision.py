@@ -101,7 +101,8 @@ class Mixed(nn.Module):
         return self.base(x.to(BF16)).float() + self.adapter(x)
 
 
-def test_a_group_of_bf16_and_fp32_params_issues_one_collective_per_dtype():
+def test_a_group_of_bf16_and_fp32_params_gathers_once_as_bytes_and_reduces_once_per_dtype():
+    # One all-gather: 272 bf16 (2 bytes) + 272 fp32 (4 bytes) = 1632 bytes.
     with fake_world(8, 0) as mesh:
         torch.manual_seed(0)
         m = fully_shard(Mixed(), mesh=mesh)
@@ -109,8 +110,7 @@ def test_a_group_of_bf16_and_fp32_params_issues_one_collective_per_dtype():
         assert {n: p.grad.dtype for n, p in m.named_parameters()} == {
             "base.weight": BF16, "base.bias": BF16, "adapter.weight": torch.float32, "adapter.bias": torch.float32}
     assert_expected_inline(collectives(t), """\
-all_gather <root> bfloat16 numel=272 world=8 mesh=dim0
-all_gather <root> float32 numel=272 world=8 mesh=dim0
+all_gather <root> uint8 numel=1632 world=8 mesh=dim0
 reduce_scatter <root> bfloat16 numel=288 world=8 mesh=dim0
 reduce_scatter <root> float32 numel=288 world=8 mesh=dim0""")
 

@@ -118,7 +118,9 @@ def group_of_bf16_and_fp32_params_matches_reference(mesh, impl):
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-    per_step = [str(e.dtype) for e in t.collectives("all_gather")][:2]
+    # One all-gather per step, as bytes (bf16 and fp32 pieces); one reduce-scatter per dtype.
+    assert [str(e.dtype) for e in t.collectives("all_gather")] == ["torch.uint8"] * STEPS
+    per_step = [str(e.dtype) for e in t.collectives("reduce_scatter")][:2]
     assert sorted(per_step) == ["torch.bfloat16", "torch.float32"], per_step
 
 
