@@ -12,7 +12,7 @@ How the peak is predicted: one forward and backward of the unsharded model on fa
 (``workload.py`` sets up the step, ``profile.py`` runs it) counts the bytes of every tensor
 an operator creates (activations, temporaries, activation gradients) at every operator; the
 runtime's schedule (``simulate.py``) then adds, at each operator, the buffers shardkit holds
-there (all-gather buffers, unsharded parameters and gradients, reduce-scatter inputs,
+there (all-gather buffers, unsharded parameters and gradients, reduce-scatter buffers,
 sharded gradients).
 """
 

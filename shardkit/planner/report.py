@@ -30,7 +30,7 @@ def table(p) -> Table:
     t.add_row("grad-presence columns", size(m.bookkeeping))
     t.add_row("[bold]persistent[/]", f"[bold]{size(m.persistent)}[/]")
     t.add_row("max unsharded parameters", size(m.max_of.get("unsharded parameters", 0)))
-    t.add_row("max gradient buffers (unsharded grads + reduce-scatter inputs)", size(m.max_of.get("gradient buffers", 0)))
+    t.add_row("max gradient buffers (unsharded grads + reduce-scatter buffers)", size(m.max_of.get("gradient buffers", 0)))
     t.add_row("max activations and temporaries", size(m.max_of.get("activations and temporaries", 0)))
     t.add_row(f"[bold]peak[/] (in {m.peak_at})", f"[bold]{size(m.peak)}[/]")
     for part, nbytes in m.at_peak.items():

@@ -84,13 +84,20 @@ def tokens(b: int, t: int) -> tuple:
     return (torch.randint(8192, (b, t)),)
 
 
+def tokens_and_targets() -> tuple:
+    return tokens(BATCH, SEQ) + tokens(BATCH, SEQ)
+
+
+def features(b: int, t: int = 0) -> tuple:
+    return (torch.randn(b, 256),)
+
+
 def test_default_loss_of_a_module_function_is_cross_entropy(latest_finish):
     # Logits (4, 64, 8192) in fp32 are 8 MiB; cross-entropy's log-softmax and its gradient add
     # two more, which a mean of the logits does not have. Fed the default token ids, the
     # planner scores them against random targets, as a loop with its own targets does.
     p = shardkit.plan("tests.planner.test_measured:tiny_lm", WORLD, batch_size=BATCH, seq_len=SEQ)
-    batch = lambda: tokens(BATCH, SEQ) + tokens(BATCH, SEQ)  # noqa: E731
-    assert_close(p, measured_peak(p, tiny_lm, batch, lambda model, x, y: cross_entropy(model(x), y)))
+    assert_close(p, measured_peak(p, tiny_lm, tokens_and_targets, lambda model, x, y: cross_entropy(model(x), y)))
 
 
 def test_default_loss_is_cross_entropy_against_the_last_input(latest_finish):
@@ -104,14 +111,14 @@ def test_reduce_scatter_buffers_are_counted(latest_finish, mp):
     # and output chunk, and (mixed precision) the gradients cast to fp32, besides the
     # reductions still in flight.
     dtypes = dict(zip(("param_dtype", "reduce_dtype"), mp)) if mp else {}
-    p = shardkit.plan(lambda: TanhStack(4, 256), WORLD, batch_size=BATCH, inputs_fn=lambda b, t: (torch.randn(b, 256),),
+    p = shardkit.plan(lambda: TanhStack(4, 256), WORLD, batch_size=BATCH, inputs_fn=features,
                       loss_fn=lambda out, inputs: out.sum(), **dtypes)
     policy = MixedPrecisionPolicy(**dtypes) if mp else None
-    batch = lambda: (torch.randn(BATCH, 256),)  # noqa: E731
-    assert_close(p, measured_peak(p, lambda: TanhStack(4, 256), batch, lambda model, x: model(x).sum(), policy))
+    measured = measured_peak(p, lambda: TanhStack(4, 256), lambda: features(BATCH), lambda model, x: model(x).sum(), policy)
+    assert_close(p, measured)
 
 
-def test_default_loss_falls_back_to_the_mean():
+def test_default_loss_scores_class_indices_else_takes_the_mean():
     logits = torch.randn(2, 3, 5)
     ids = torch.randint(5, (2, 3))
     assert torch.equal(_default_loss(logits, (ids,)), cross_entropy(logits, ids))

@@ -175,17 +175,16 @@ def test_printed_plan():
 | grad-presence columns                                    |                                  32 B |
 | persistent                                               |                              1.05 KiB |
 | max unsharded parameters                                 |                                1008 B |
-| max gradient buffers (unsharded grads + reduce-scatter   |                                 708 B |
-| inputs)                                                  |                                       |
+| max gradient buffers (unsharded grads + reduce-scatter   |                              2.02 KiB |
+| buffers)                                                 |                                       |
 | max activations and temporaries                          |                                 936 B |
-| peak (in backward <root>)                                |                              3.09 KiB |
+| peak (in backward <root>)                                |                              3.62 KiB |
 |   at the peak: parameters                                |                                 252 B |
 |   at the peak: optimizer state                           |                                 536 B |
 |   at the peak: grad-presence columns                     |                                  32 B |
-|   at the peak: unsharded parameters                      |                                1008 B |
-|   at the peak: gradient buffers                          |                                  36 B |
-|   at the peak: all-gather buffers                        |                                 360 B |
-|   at the peak: activations and temporaries               |                                 936 B |
+|   at the peak: unsharded parameters                      |                                 432 B |
+|   at the peak: gradient buffers                          |                              2.02 KiB |
+|   at the peak: activations and temporaries               |                                 392 B |
 | all-gather per step                                      |     5 calls, 1.55 KiB (1.16 KiB sent) |
 | reduce-scatter per step                                  |        3 calls, 1.11 KiB (852 B sent) |
 | communication time per step                              |                                0.0 ms |
