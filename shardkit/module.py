@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -121,6 +122,54 @@ class FSDPModule:
         for the compute stream, which the optimizer step ran on, so this adds no overlap."""
         self._shardkit().root.options.post_optim_event = event
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduced)`` on each reduced gradient buffer of this group (this rank's flat
+        chunk, in ``reduce_dtype``, before the division by the world size): after the HSDP
+        all-reduce, or after the reduce-scatter without one. The hook may edit it in place.
+        ``stream`` (CUDA, not with HSDP): run the hook on it."""
+        state = self._shardkit()
+        if stream is not None and state.group is not None and state.group.meshes[0].ndim == 2:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (the hook runs after its all-reduce)")
+        state.options.all_reduce_hook, state.options.all_reduce_hook_stream = hook, stream
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Issue this group's all-gather with ``comm`` (FSDP2's ``AllGather``): its
+        ``allocate(size, dtype=, device=)`` makes the output buffer and
+        ``comm(output, input, group, async_op)`` runs the collective."""
+        _check_comm(comm, "set_custom_all_gather")
+        self._shardkit().options.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Issue this group's reduce-scatter with ``comm`` (FSDP2's ``ReduceScatter``): its
+        ``allocate`` makes the input and output buffers and ``comm(output, input, group, op,
+        async_op)`` runs the collective (a SUM; shardkit divides after)."""
+        _check_comm(comm, "set_custom_reduce_scatter")
+        self._shardkit().options.custom_reduce_scatter = comm
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reductions (and so their input buffers) may be in flight when this group's
+        reduce-scatter is issued; the oldest is finished first beyond that. shardkit's default
+        is 2 (FSDP2's 1 stalls the compute stream on an exposed reduce-scatter)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for state in _states(self, recurse):
+            state.options.max_reducing = max_input_buffers
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility; shardkit allocates its communication buffers with
+        the default allocator, which gives the same results (it warns once when enabled)."""
+        if enable:
+            _warn_once("set_allocate_memory_from_process_group_for_comm(True)")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for FSDP2 compatibility; shardkit does not allocate its all-gather buffers in
+        symmetric memory, which gives the same results (it warns once)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
+        _warn_once(f"set_symm_mem_for_comm({backend!r})")
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted for FSDP2 compatibility: shardkit always reduces unused parameters with
         zero gradients (and leaves ``.grad`` None where no rank used one)."""
@@ -176,6 +225,27 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return hooks.post_forward(state, module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(call: str) -> None:
+    if call not in _warned:
+        _warned.add(call)
+        warnings.warn(
+            f"shardkit: {call} has no effect: shardkit allocates its communication buffers with "
+            "the default allocator (the results are the same; only where the buffers live differs).",
+            stacklevel=3,
+        )
+
+
+def _check_comm(comm: Any, method: str) -> None:
+    if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(
+            f"{method} expects an object with allocate(size, *, dtype, device) and __call__ "
+            f"(FSDP2's AllGather / ReduceScatter), got {type(comm).__name__}."
+        )
 
 
 def _states(module: FSDPModule, recurse: bool) -> list[GroupState]:

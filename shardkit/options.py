@@ -9,7 +9,7 @@ each step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +26,11 @@ class GroupOptions:
     gradient_divide_factor: float | None = None  # None: the data-parallel world size
     forward_prefetch: list | None = None  # groups to all-gather after this one in forward; None: the next
     backward_prefetch: list | None = None  # ... in backward; None: the previous one in forward order
+    all_reduce_hook: Callable | None = None  # called on each reduced gradient chunk, before the division
+    all_reduce_hook_stream: Any = None  # CUDA stream it runs on (None: the compute stream)
+    custom_all_gather: Any = None  # FSDP2's AllGather protocol: allocate(...) and __call__(out, in, group, async_op)
+    custom_reduce_scatter: Any = None  # ReduceScatter: allocate(...) and __call__(out, in, group, op, async_op)
+    max_reducing: int | None = None  # reductions (and their input buffers) in flight; None: the schedule's MAX_REDUCING
 
 
 @dataclass

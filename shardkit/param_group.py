@@ -165,7 +165,7 @@ class ParamGroup:
         else:
             comm, bucket = layout.comm, layout.all_gather
             layout.gathered_version = self._shard_version()
-        self.gathering = [collectives.all_gather(bucket, comm, self.name)]
+        self.gathering = [collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather)]
         self._drop_post_forward()  # the handles keep them until the all-gather is waited for
         self.storage = Storage.GATHERING
         _live.add(self)
@@ -260,7 +260,10 @@ class ParamGroup:
 
     def _reduction(self, bucket: Bucket) -> collectives.Reduction:
         layout, mesh = self.layout, self.meshes[0]
-        how = collectives.Reduction(self.options.gradient_divide_factor or mesh.size())
+        options = self.options
+        how = collectives.Reduction(options.gradient_divide_factor or mesh.size(), custom=options.custom_reduce_scatter)
+        if options.all_reduce_hook is not None:
+            how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP
             how.partial = layout.partial.pop(tuple(map(id, bucket.params)), None)
             if self.options.requires_all_reduce:

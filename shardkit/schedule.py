@@ -281,7 +281,8 @@ class Schedule:
             group.reshard()
         reducing = self.reducing
         reducing.append(group)
-        while len(reducing) > MAX_REDUCING or len(reducing) > 1 and reducing[0].reduce_done():
+        limit = group.options.max_reducing or MAX_REDUCING  # set_reduce_scatter_max_input_buffers
+        while len(reducing) > limit or len(reducing) > 1 and reducing[0].reduce_done():
             reducing.pop(0).finish_reduce()
 
     def _pass_ends(self) -> None:

@@ -25,6 +25,7 @@ ranks (measured; see docs/design.md), although it moves twice the bytes. The tra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.comm import check, trace
 from shardkit.comm.buckets import Bucket, GatherBucket
-from shardkit.comm.streams import Collective, Handle, Streams
+from shardkit.comm.streams import Collective, Handle, Streams, call_on
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,10 +66,12 @@ class PendingAllGather:
     bucket: GatherBucket
     handle: Handle
     output: torch.Tensor  # (world * per_rank,): copied out once the handle is waited for
+    custom: bool = False  # a user's AllGather made the output: copy out even when in place
 
 
-def all_gather(bucket: GatherBucket, comm: Comm, name: str) -> PendingAllGather:
-    """Issue one all-gather of the bucket's shards (``finish_all_gather`` copies them out)."""
+def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> PendingAllGather:
+    """Issue one all-gather of the bucket's shards (``finish_all_gather`` copies them out);
+    ``custom``: the user's ``AllGather`` (``set_custom_all_gather``) allocates and runs it."""
     inputs = bucket.inputs()  # and room for the outputs, on the compute stream (see the Note in streams.py)
     numel = comm.world * bucket.per_rank
     traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim)
@@ -76,18 +79,22 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str) -> PendingAllGather:
 
     def launch(async_op: bool):
         send = _copy_in(bucket, inputs)  # (per_rank,)
+        if custom is not None:
+            output = custom.allocate((numel,), dtype=bucket.dtype, device=send.device)
+            work = custom(output_tensor=output, input_tensor=send, group=comm.group, async_op=async_op)
+            return work, {"input": send, "output": output}
         output = bucket.columns[0].view(-1) if bucket.in_place else send.new_empty(numel)  # (world * per_rank,)
         work = _all_gather_single(output, send, group=comm.group, async_op=async_op)
         return work, {"input": send, "output": output}
 
     handle = comm.streams.issue(Collective("all_gather", name, traced), {"shards": inputs}, launch)
-    return PendingAllGather(bucket, handle, handle.buffers["output"])
+    return PendingAllGather(bucket, handle, handle.buffers["output"], custom is not None)
 
 
 def finish_all_gather(pending: PendingAllGather) -> None:
     """Wait for the all-gather; then the unsharded parameters hold the gathered data."""
     pending.handle.wait()
-    _copy_out(pending.bucket, pending.output)
+    _copy_out(pending.bucket, pending.output, pending.custom)
     for p in pending.bucket.params:
         p.gathered()
 
@@ -107,9 +114,9 @@ def _copy_in(bucket: GatherBucket, inputs: list[torch.Tensor]) -> torch.Tensor:
     return send
 
 
-def _copy_out(bucket: GatherBucket, output: torch.Tensor) -> None:
+def _copy_out(bucket: GatherBucket, output: torch.Tensor, custom: bool = False) -> None:
     """Each piece's column block of the (world, per_rank) output into its own buffer."""
-    if bucket.in_place:
+    if bucket.in_place and not custom:
         return
     rows = output.view(bucket.world, -1)  # (world, per_rank)
     if bucket.by_rows:
@@ -131,6 +138,8 @@ class Reduction:
     replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after
     partial: torch.Tensor | None = None  # HSDP: earlier sums kept without all-reduce, added first
     keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
+    custom: Any = None  # the user's ReduceScatter (set_custom_reduce_scatter)
+    hook: tuple | None = None  # (hook, stream) of set_all_reduce_hook
 
 
 @dataclass
@@ -142,6 +151,7 @@ class PendingReduction:
     divide_by: float  # after the reduction
     keep_partial: dict | None  # see Reduction
     chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
+    hook: tuple | None = None  # see Reduction
 
 
 def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, how: Reduction) -> PendingReduction:
@@ -157,7 +167,8 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     pre, post = _divide_factors(how.divide_by, bucket.dtype)
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
-    via = "via all_reduce" if comm.reduce_by_all_reduce else ""
+    by_all_reduce = comm.reduce_by_all_reduce and how.custom is None
+    via = "via all_reduce" if by_all_reduce else ""
     traced = trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
@@ -165,9 +176,15 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         send = _reduce_scatter_input(bucket, grads, missing, world)  # (world, per_rank + n)
         if pre != 1:
             send.div_(pre)  # the presence column too: it only has to stay above zero
-        if comm.reduce_by_all_reduce:
+        if by_all_reduce:
             work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
             chunk = send[comm.rank]  # (per_rank + n,)
+        elif how.custom is not None:  # the user's buffers and collective
+            buffer = how.custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
+            buffer.copy_(send.view(-1))
+            chunk = how.custom.allocate((bucket.per_rank + n,), dtype=send.dtype, device=send.device)
+            work = how.custom(output_tensor=chunk, input_tensor=buffer, group=comm.group, op=dist.ReduceOp.SUM, async_op=async_op)
+            send = buffer
         else:
             chunk = send.new_empty(bucket.per_rank + n)
             work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
@@ -178,7 +195,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     handles = [handle]
     if how.partial is not None or how.replicate is not None:
         handles.append(_over_replicas(handle, chunk, comm.streams, name, how))
-    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, comm.reduce_by_all_reduce)
+    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, by_all_reduce, how.hook)
 
 
 def _reduce_scatter_input(bucket: Bucket, grads: list[torch.Tensor | None], missing: list[int], world: int) -> torch.Tensor:
@@ -242,6 +259,8 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
         pending.keep_partial[tuple(map(id, bucket.params))] = pending.chunk
         return
     reduced = pending.chunk[: bucket.per_rank]
+    if pending.hook is not None:  # set_all_reduce_hook: the summed chunk, before the division
+        call_on(pending.hook[1], pending.hook[0], reduced)
     # After an all-reduce, divide into a new tensor, so that the gradients do not keep every
     # rank's rows alive; else in place.
     reduced = reduced / pending.divide_by if pending.chunk_of_all_reduce else reduced.div_(pending.divide_by)

@@ -235,3 +235,16 @@ def streams_for(device: torch.device) -> Streams:
         else:
             _streams[key] = Streams(device)
     return _streams[key]
+
+
+def call_on(stream: Any, fn: Callable, *args: Any) -> None:
+    """``fn(*args)`` on a user's CUDA ``stream`` (``set_all_reduce_hook(stream=...)``), ordered
+    after the current stream's work and before what follows it; without one, right here."""
+    if stream is None:
+        fn(*args)
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn(*args)
+    current.wait_stream(stream)

@@ -200,9 +200,14 @@ def done(event: Event | None) -> None:
 def on_completion(event: Event | None, work) -> None:
     """CPU: note when the process group completes ``work`` (its future's callback runs on
     the communication thread), so the timeline shows when data arrived, not when a hook
-    asked for it."""
+    asked for it. Some work (gloo's older collectives, a user's) has no future: then the
+    wait marks it done."""
     if event is not None and work is not None:
-        work.get_future().add_done_callback(lambda _: done(event))
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            return
+        future.add_done_callback(lambda _: done(event))
 
 
 def label(kind: str, name: str) -> contextlib.AbstractContextManager:

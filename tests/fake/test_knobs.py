@@ -2,6 +2,7 @@
 forward's step, as it would after it (fake process group; what each changes is read off the
 trace, the schedule, or the reduction that was asked for)."""
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn as nn
 import shardkit
 from shardkit import FSDPModule, fully_shard
 from shardkit.comm import collectives, sim
+from shardkit.comm.streams import Handle
 from shardkit.lockstep import LockstepSchedule
 from shardkit.param_group import Storage
 from tests.conftest import TanhStack, fake_world
@@ -188,6 +190,92 @@ def test_set_accepted_for_compatibility_before_the_first_forward(method, monkeyp
         net = sharded(mesh)
         getattr(net, method)(True)
         assert [str(e) for e in first_step(net).events] == plain
+
+
+@pytest.mark.parametrize("method", ["set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"])
+def test_set_allocator_knobs_warn_once_that_they_have_no_effect_and_change_nothing(method):
+    from shardkit import module
+
+    module._warned.clear()
+    with fake_world(4) as mesh:
+        plain = [str(e) for e in first_step(sharded(mesh)).events]
+        net = sharded(mesh)
+        args = (True,) if "allocate" in method else ()
+        with pytest.warns(UserWarning, match="has no effect"):
+            getattr(net, method)(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: not again
+            getattr(net.blocks[0], method)(*args)
+        assert [str(e) for e in first_step(net).events] == plain
+
+
+def test_set_all_reduce_hook_before_the_first_forward_sees_each_reduced_chunk_once():
+    seen = []
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+
+        def hook(reduced):
+            seen.append(reduced.numel())
+            reduced.zero_()  # edits in place reach .grad
+
+        net.blocks[1].set_all_reduce_hook(hook)
+        first_step(net)
+    assert seen == [18]  # blocks.1's 8x8 weight and 8 biases over 4 ranks, no presence column
+    assert all(p.grad.to_local().abs().sum() == 0 for p in net.blocks[1].parameters())
+    assert all(p.grad.to_local().abs().sum() > 0 for p in net.blocks[0].parameters())
+
+
+class CountingComm:
+    """A user's collective in FSDP2's AllGather / ReduceScatter shape, over torch.distributed."""
+
+    def __init__(self, kind):
+        self.kind, self.calls, self.allocated = kind, 0, []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(tuple(size))
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        self.calls += 1
+        if self.kind == "all_gather":
+            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def test_set_custom_all_gather_and_reduce_scatter_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        gather, reduce = CountingComm("all_gather"), CountingComm("reduce_scatter")
+        net.blocks[0].set_custom_all_gather(gather)
+        net.blocks[0].set_custom_reduce_scatter(reduce)
+        t = first_step(net)
+        with pytest.raises(TypeError, match="allocate"):
+            net.set_custom_all_gather(lambda *a: None)
+    # blocks.0: gathered in forward and backward, reduced once; 18 elements per rank
+    assert (gather.calls, gather.allocated) == (2, [(4 * 18,), (4 * 18,)])
+    assert (reduce.calls, reduce.allocated) == (1, [(4 * 20,), (20,)])  # and a presence element per parameter
+    assert calls(t, "all_gather")["blocks.0"] == 2 and calls(t, "reduce_scatter")["blocks.0"] == 1
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_set_reduce_scatter_max_input_buffers_bounds_the_reductions_in_flight(limit, monkeypatch):
+    monkeypatch.setattr(Handle, "poll", lambda self: False)  # none completes early
+    with fake_world(4) as mesh:
+        net = sharded(mesh, n_blocks=4)
+        net.set_reduce_scatter_max_input_buffers(limit)
+        t = first_step(net)
+        with pytest.raises(TypeError):
+            net.set_reduce_scatter_max_input_buffers(True)
+        with pytest.raises(ValueError):
+            net.set_reduce_scatter_max_input_buffers(0)
+    in_flight, most = 0, 0
+    for e in t.events:
+        if e.kind == "reduce_scatter":
+            in_flight += 1
+            most = max(most, in_flight)
+        elif e.kind == "wait" and e.detail == "reduce_scatter":
+            in_flight -= 1
+    assert most == limit + 1  # the limit, and the one just issued before the oldest is finished
 
 
 def test_set_lockstep_after_the_first_forward_switches_the_schedule_between_steps():

@@ -109,6 +109,46 @@ def a_group_of_hooked_and_plain_params_gathers_once_as_bytes(mesh, impl):
     assert [(e.dtype, e.numel) for e in gathers] == [(torch.uint8, 2 * per_rank)], [(e.dtype, e.numel) for e in gathers]
 
 
+# The other extension points: a user's collectives and the all-reduce hook ------------------
+class UserComm:
+    """FSDP2's AllGather / ReduceScatter shape, over torch.distributed, counting its calls."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.calls = kind, 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        self.calls += 1
+        if self.kind == "all_gather":
+            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+@checks()
+def custom_collectives_and_an_all_reduce_hook_train_like_the_reference(mesh, impl):
+    from gloo_parity import Stack, shard_blocks_then_root
+
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    gather, reduce = UserComm("all_gather"), UserComm("reduce_scatter")
+    p.model.blocks[0].set_custom_all_gather(gather)
+    p.model.blocks[0].set_custom_reduce_scatter(reduce)
+    halved = []
+    p.model.blocks[1].set_all_reduce_hook(lambda reduced: halved.append(reduced.mul_(0.5)))
+    for step, batch in enumerate(stack_batches(STEPS)):
+        result = p.forward_backward(batch)
+        assert_close(result.loss, result.ref_loss, f"loss at step {step}")
+        for name, param in p.model.named_parameters():  # blocks.1's gradients halved by the hook
+            scale = 0.5 if name.startswith("blocks.1.") else 1.0
+            ref = dict(p.ref.named_parameters())[name]
+            assert_close(param.grad.full_tensor(), ref.grad * scale, f"grad {name} at step {step}")
+            ref.grad.mul_(scale)  # the reference takes the same step
+        p.optimizer_step()
+    p.assert_params_match()
+    assert (gather.calls, reduce.calls, len(halved)) == (2 * STEPS, STEPS, STEPS), (gather.calls, reduce.calls, len(halved))
+
+
 # torchao float8 training ------------------------------------------------------------------
 def float8_model() -> nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
