@@ -144,6 +144,18 @@ def _check_mesh(mesh: Any) -> None:
             f"fully_shard expects a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: replicate, shard), got a "
             f"{mesh.ndim}-D mesh {mesh}. With tensor parallel, pass the data-parallel part: mesh['dp']."
         )
+    if mesh.device_type == "meta":
+        raise ValueError(
+            f"fully_shard cannot shard over {mesh}: a meta-device mesh runs no collectives. Build the mesh on "
+            "the device you train on (init_device_mesh('cuda' or 'cpu', ...)); the parameters may stay on meta "
+            "until model.to_empty()."
+        )
+    if mesh.device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"fully_shard got the CUDA mesh {mesh}, but CUDA is not available on this machine (torch "
+            f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}). On the CPU use "
+            "init_device_mesh('cpu', ...) with the gloo backend."
+        )
 
 
 def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | None, DeviceMesh | None]:

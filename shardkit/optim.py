@@ -23,6 +23,8 @@ tensors. ``SHARDKIT_LOCAL_OPTIM=0`` turns the swap off.
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,15 +39,34 @@ _ELEMENTWISE = tuple(
 # optimizer -> what its pre-step hook swapped: [(group, dtensor params), ...], [(param, local, state)]
 _swapped: dict[int, tuple[list, list]] = {}
 _installed = False
+_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers looked at once
 
 
 def install_once() -> None:
     """Register the process-wide step hooks (from the first ``fully_shard`` call)."""
     global _installed
-    if not _installed and os.environ.get("SHARDKIT_LOCAL_OPTIM", "1") != "0":
-        register_optimizer_step_pre_hook(_to_local)
-        register_optimizer_step_post_hook(_to_dtensor)
+    if not _installed:
+        register_optimizer_step_pre_hook(_warn_if_built_before_fully_shard)
+        if os.environ.get("SHARDKIT_LOCAL_OPTIM", "1") != "0":
+            register_optimizer_step_pre_hook(_to_local)
+            register_optimizer_step_post_hook(_to_dtensor)
         _installed = True
+
+
+def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """At an optimizer's first step: does it hold parameters that ``fully_shard`` replaced? Its
+    steps would then change tensors the model no longer uses (FSDP2 is silent here)."""
+    if optimizer in _checked:
+        return
+    _checked.add(optimizer)
+    replaced = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_shardkit_shared")]
+    if replaced:
+        warnings.warn(
+            f"shardkit: this {type(optimizer).__name__} holds {len(replaced)} parameters that fully_shard has "
+            "replaced by sharded ones, so its steps do not change the model. Build the optimizer after "
+            "fully_shard: fully_shard(model); optimizer = torch.optim.AdamW(model.parameters(), ...).",
+            stacklevel=3,
+        )
 
 
 def _owned(p: torch.Tensor) -> bool:

@@ -123,6 +123,8 @@ class ParamGroup:
             self.layout.post_forward = None
 
     def lazy_init(self) -> None:
+        for p in self.params:
+            p.adopt_registered()
         meta = [p.fqn for p in self.params if p.shard_device.type == "meta"]
         if meta:
             raise still_on_meta(meta)

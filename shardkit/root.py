@@ -41,6 +41,8 @@ def lazy_init(root: GroupState) -> Schedule:
             state.options.reshard_after_forward = state is not root
         states.append(state)
         seen.add(state)
+    for p in (p for s in states if s.group for p in s.group.params):
+        p.adopt_registered()  # what the modules hold now is what gets its FQN
     _name_params(root_module, states)
     meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
     if meta:

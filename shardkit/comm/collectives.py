@@ -211,7 +211,8 @@ def _reduce_scatter_input(bucket: Bucket, grads: list[torch.Tensor | None], miss
         for p, g in zip(params, grads)
     ]
     if bucket.by_rows:
-        return torch._chunk_cat(filled + [present.expand(world, -1)], dim=0, num_chunks=world)
+        nonempty = [g for g in filled if g.numel()]  # a (0, 5) parameter has no rows to send
+        return torch._chunk_cat(nonempty + [present.expand(world, -1)], dim=0, num_chunks=world)
     send = torch.empty(world, bucket.per_rank + len(params), dtype=bucket.dtype, device=device)
     blocks = send.split([*bucket.shard_numels, len(params)], dim=1)
     for p, g, block in zip(params, filled, blocks):

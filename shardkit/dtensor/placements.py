@@ -55,6 +55,14 @@ def dp_tp_spec(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int, where: str) 
             f"{where}: shardkit composes a 1-D "
             f"data-parallel mesh with a 1-D tensor-parallel mesh, got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D."
         )
+    shared = set(dp_mesh.mesh.flatten().tolist()) & set(tp_spec.mesh.mesh.flatten().tolist())
+    if len(shared) > 1:  # tensor parallel runs across the dp ranks, not within each
+        raise ValueError(
+            f"{where} is already a DTensor ({list(tp_spec.placements)} on {tp_spec.mesh}) over ranks that "
+            f"fully_shard's mesh {dp_mesh} also shards over. fully_shard composes with tensor parallel on "
+            'another dim of a 2-D mesh: TP on mesh["tp"], fully_shard(mesh=mesh["dp"]). For data parallel '
+            "alone, give it plain tensors: it shards them itself."
+        )
     key = (id(dp_mesh), id(tp_spec.mesh))
     if key not in _dp_tp_meshes:
         _dp_tp_meshes[key] = (DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), dp_mesh, tp_spec.mesh)

@@ -154,6 +154,35 @@ class ShardedParam:
         self.unsharded_param = self.unsharded_flat = None
         self.extension = extension.of(local, self.extension.where) if self.extension else extension.of(local, self.fqn)
 
+    def adopt_registered(self) -> None:
+        """At lazy init, as FSDP2: take what the module holds if it is no longer our sharded
+        parameter: a full tensor assigned after ``fully_shard`` (``m.w = nn.Parameter(...)``)
+        is sharded; a DTensor like ours (``load_state_dict(sd, assign=True)``) is adopted."""
+        slot = self.slots[0]
+        registered = slot.module._parameters[slot.name]
+        if registered is self.sharded_param:
+            return
+        where = f"{type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}')"
+        if isinstance(registered, DTensor):
+            if (registered.shape, registered.placements) != (self.sharded_param.shape, self.spec.placements):
+                raise ValueError(
+                    f"shardkit: {where} was replaced after fully_shard by a DTensor {list(registered.placements)} of "
+                    f"shape {tuple(registered.shape)}; expected {list(self.spec.placements)} of shape "
+                    f"{tuple(self.sharded_param.shape)} (a state dict of the same model, sharded the same way)."
+                )
+            self.reset_from_registered()
+        elif self.tp_spec is None and registered.shape == self.shape:
+            self._init_requires_grad = registered.requires_grad
+            self._shard(registered.detach(), self.device)
+        else:
+            raise ValueError(
+                f"shardkit: {where} was replaced after fully_shard by a tensor of shape {tuple(registered.shape)}; "
+                f"it can take a full tensor of shape {tuple(self.shape)} before the first forward."
+            )
+        self.sharded_param._shardkit_owned = True
+        for s in self.slots:
+            s.module._parameters[s.name] = self.sharded_param
+
     @property
     def requires_grad(self) -> bool:
         """Follows the sharded parameter: users freeze (``requires_grad_(False)``) what they see."""
@@ -227,6 +256,7 @@ class ShardedParam:
             view = DTensor(view, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
+        self._flat_storage = flat.untyped_storage()._cdata  # what the unsharded parameter views, unless replaced
         self.unsharded_padded = self.unsharded_flat.view(padded.shape)
         free_storage(self.unsharded_flat)
 
@@ -256,13 +286,41 @@ class ShardedParam:
             free_storage(self.unsharded_flat)
 
     def to_unsharded(self) -> None:
-        if self.unsharded_param.requires_grad != self.requires_grad:
-            self.unsharded_param.requires_grad_(self.requires_grad)
+        param = self.unsharded_param
+        if param.requires_grad != self.requires_grad:
+            param.requires_grad_(self.requires_grad)
+        if self.extension is None and self.tp_spec is None and param.untyped_storage()._cdata != self._flat_storage:
+            self._refill_replaced_data()
         for slot in self.slots:
-            slot.module._parameters[slot.name] = self.unsharded_param
+            slot.module._parameters[slot.name] = param
+
+    def _refill_replaced_data(self) -> None:
+        """The module gave our unsharded parameter other data during a forward (HF
+        SwitchTransformers' router runs ``self.classifier = self.classifier.to(torch.float32)``,
+        which sets ``param.data`` to an fp32 copy): it no longer views the all-gather buffer.
+        Keep the module's choice of dtype and device, and refill it with what was just gathered,
+        so that no step computes with an earlier step's values. (``.data``: autograd does not
+        see this as an in-place edit; within a step the values are the same.)"""
+        data = self.unsharded_param.data
+        gathered = self.unsharded_padded.narrow(self.dim, 0, self.shape[self.dim])
+        if data.shape != gathered.shape:
+            raise RuntimeError(
+                f"shardkit: parameter '{self.fqn}' of {type(self.slots[0].module).__name__} was given data of shape "
+                f"{tuple(data.shape)} during forward, but it has shape {tuple(gathered.shape)}; shardkit can follow a "
+                "change of dtype or device only. Reshape a copy instead of the parameter."
+            )
+        data.copy_(gathered)
 
     def to_sharded(self) -> None:
         for slot in self.slots:
+            held = slot.module._parameters.get(slot.name)
+            if self.unsharded_param is not None and held is not self.unsharded_param and held is not self.sharded_param:
+                raise RuntimeError(
+                    f"shardkit: {type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}') was replaced by a "
+                    "new object while unsharded, e.g. `module.weight = nn.Parameter(...)` in forward. shardkit would "
+                    "lose its gradient and keep training the old one. Change the parameter's data instead "
+                    "(`module.to(dtype)` is followed), or use a plain tensor attribute for the copy."
+                )
             slot.module._parameters[slot.name] = self.sharded_param
 
     def accumulate_unreduced_grad(self) -> None:
