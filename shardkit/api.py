@@ -88,6 +88,7 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     and make the modules FSDPModules."""
     for original, p in sharded.items():  # later calls may meet the original again (tied weights)
         original._shardkit_shared = (p, state)
+        original._shardkit_replaced = True  # see optim.py: an optimizer holding it warns
         p.to_sharded()
     for (p, owner), more_slots in borrowed.items():
         _borrow(state, owner, p, more_slots)

@@ -59,7 +59,7 @@ def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kw
     if optimizer in _checked:
         return
     _checked.add(optimizer)
-    replaced = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_shardkit_shared")]
+    replaced = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_shardkit_replaced")]
     if replaced:
         warnings.warn(
             f"shardkit: this {type(optimizer).__name__} holds {len(replaced)} parameters that fully_shard has "

@@ -79,10 +79,12 @@ class Schedule:
         step = state.step
         if step.phase is not Phase.FORWARD:
             event = Event.POST_FORWARD  # the end of a recomputation
+        elif self.forward_root is state and step.calls == 1:
+            event = Event.END_FORWARD  # even if others of its modules did not run (a head called alone)
         elif step.calls > 1 or step.to_run - {call.module}:
             event = Event.INNER_POST_FORWARD
         else:
-            event = Event.END_FORWARD if self.forward_root is state else Event.POST_FORWARD
+            event = Event.POST_FORWARD
         self.fire(state, event, call)
 
     def pre_backward(self, state: GroupState) -> None:
@@ -201,8 +203,9 @@ class Schedule:
                 self.fire(other, Event.POST_FORWARD, call)
             elif other.group is not None and other.group.storage is Storage.GATHERING:
                 other.group.reshard()  # prefetched, then not run
-        self.forward_root = None
-        self.orders.forward, self.orders.seen = self.orders.seen, []
+        if state is self.states[0]:  # a pass of the whole model: its order is next step's prefetch order
+            self.orders.forward = self.orders.seen
+        self.forward_root, self.orders.seen = None, []
         self._pass_ends()
 
     # Backward actions --------------------------------------------------------------------------

@@ -93,6 +93,7 @@ RULES: dict[tuple[Phase, Event], Rule] = {
     (P.FORWARD, E.POST_FORWARD): Rule(P.IDLE, _AFTER_FORWARD, "the group's forward ends"),
     (P.FORWARD, E.END_FORWARD): Rule(P.IDLE, (*_AFTER_FORWARD, A.CLOSE_PASS), "the root's forward ends: so does the pass"),
     (P.IDLE, E.RECOMPUTE): Rule(P.FORWARD, (A.BEGIN_CALLS, A.UNSHARD, A.HOOK_INPUTS), "a group inside a recomputed one runs forward again"),
+    (P.POST_BACKWARD, E.RECOMPUTE): Rule(P.FORWARD, (A.BEGIN_CALLS, A.UNSHARD, A.HOOK_INPUTS), "... for its other call, after this one's backward (two forwards, one backward)"),
     (P.FORWARD, E.RECOMPUTE): Rule(P.FORWARD, (A.ENTER,), "re-entry while it does"),
     (P.PRE_BACKWARD, E.RECOMPUTE): Rule(P.PRE_BACKWARD, (A.UNSHARD,), "activation checkpointing recomputes the forward"),
     (P.PRE_BACKWARD, E.POST_FORWARD): Rule(P.PRE_BACKWARD, (), "the recomputation ends: parameters stay for backward"),

@@ -173,7 +173,8 @@ class ShardedParam:
             self.reset_from_registered()
         elif self.tp_spec is None and registered.shape == self.shape:
             self._init_requires_grad = registered.requires_grad
-            self._shard(registered.detach(), self.device)
+            self._shard(registered.detach(), self.device)  # a new Parameter (DTensor has slots: no swap)
+            registered._shardkit_replaced = True  # an optimizer holding it warns at its first step
         else:
             raise ValueError(
                 f"shardkit: {where} was replaced after fully_shard by a tensor of shape {tuple(registered.shape)}; "

@@ -17,6 +17,7 @@ def test_rules_table_is_pinned():
 | FORWARD | post_forward | IDLE | leave, reshard_after_forward, hook_outputs | the group's forward ends |
 | FORWARD | end_forward | IDLE | leave, reshard_after_forward, hook_outputs, close_pass | the root's forward ends: so does the pass |
 | IDLE | recompute | FORWARD | begin_calls, unshard, hook_inputs | a group inside a recomputed one runs forward again |
+| POST_BACKWARD | recompute | FORWARD | begin_calls, unshard, hook_inputs | ... for its other call, after this one's backward (two forwards, one backward) |
 | FORWARD | recompute | FORWARD | enter | re-entry while it does |
 | PRE_BACKWARD | recompute | PRE_BACKWARD | unshard | activation checkpointing recomputes the forward |
 | PRE_BACKWARD | post_forward | PRE_BACKWARD | - | the recomputation ends: parameters stay for backward |
