@@ -27,6 +27,11 @@ class AlreadyShardedError(ValueError, AssertionError):
     """fully_shard applied twice to one module (FSDP2 raises AssertionError here)."""
 
 
+class PlacementError(ValueError, AssertionError):
+    """shard_placement_fn returned something other than a Shard of one of the parameter's dims
+    (FSDP2 raises AssertionError here)."""
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -283,10 +288,10 @@ def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, devi
     dim = 0
     if placement_fn is not None and (placement := placement_fn(p)) is not None:
         if not isinstance(placement, Shard):
-            raise ValueError(f"shard_placement_fn returned {placement!r} for {where}; return a Shard(dim) or None.")
+            raise PlacementError(f"shard_placement_fn returned {placement!r} for {where}; return a Shard(dim) or None.")
         dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < p.dim():
-            raise ValueError(f"shard_placement_fn returned {placement} for {where}, which has only {p.dim()} dims.")
+            raise PlacementError(f"shard_placement_fn returned {placement} for {where}, which has only {p.dim()} dims.")
     return ShardedParam(p, slots, mesh, device, options, dim)
 
 

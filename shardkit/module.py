@@ -157,6 +157,13 @@ class FSDPModule:
         for state in _states(self, recurse):
             state.options.max_reducing = max_input_buffers
 
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run this group's reduce-scatters on a process group of their own over the same ranks
+        (made at the first one, on every rank of the mesh alike), so that on NCCL they can run
+        concurrently with the all-gathers instead of queueing behind them."""
+        for state in _states(self, recurse):
+            state.options.separate_reduce_scatter = enable
+
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility; shardkit allocates its communication buffers with
         the default allocator, which gives the same results (it warns once when enabled)."""

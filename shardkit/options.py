@@ -30,6 +30,7 @@ class GroupOptions:
     all_reduce_hook_stream: Any = None  # CUDA stream it runs on (None: the compute stream)
     custom_all_gather: Any = None  # FSDP2's AllGather protocol: allocate(...) and __call__(out, in, group, async_op)
     custom_reduce_scatter: Any = None  # ReduceScatter: allocate(...) and __call__(out, in, group, op, async_op)
+    separate_reduce_scatter: bool = False  # reduce-scatters on a process group of their own
     max_reducing: int | None = None  # reductions (and their input buffers) in flight; None: the schedule's MAX_REDUCING
 
 

@@ -59,6 +59,7 @@ class Layout:
     reduce_scatter: list[Bucket]  # one per reduce_dtype
     post_forward_bucket: GatherBucket | None
     partial: dict = field(default_factory=dict)  # HSDP sums not yet all-reduced, by bucket
+    separate: Comm | None = None  # set_separate_reduce_scatter_group: its own process group, made at first use
     gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
 
 
@@ -258,7 +259,17 @@ class ParamGroup:
             if trainable:  # frozen parameters get no reduction
                 grads = [p.take_unsharded_grad() for p in trainable]
                 sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
-                self.reducing.append(collectives.reduce_scatter(sub, grads, self.layout.comm, self.name, self._reduction(sub)))
+                self.reducing.append(collectives.reduce_scatter(sub, grads, self._reduce_comm(), self.name, self._reduction(sub)))
+
+    def _reduce_comm(self) -> Comm:
+        """The shard dim's process group, or (``set_separate_reduce_scatter_group``) a second
+        one over the same ranks, so that reduce-scatters need not queue behind all-gathers."""
+        layout = self.layout
+        if not self.options.separate_reduce_scatter:
+            return layout.comm
+        if layout.separate is None:
+            layout.separate = Comm.of(self.meshes[0], self.meshes[0].ndim - 1, layout.comm.streams, separate=True)
+        return layout.separate
 
     def _reduction(self, bucket: Bucket) -> collectives.Reduction:
         layout, mesh = self.layout, self.meshes[0]

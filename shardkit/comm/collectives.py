@@ -52,12 +52,20 @@ class Comm:
     mesh_dim: str  # the mesh dimension's name, for the trace
 
     @classmethod
-    def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None) -> "Comm":
+    def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None, separate: bool = False) -> "Comm":
         group = mesh.get_group(dim)
+        if separate:  # a second process group over the same ranks, one per rank set
+            ranks = tuple(dist.get_process_group_ranks(group))
+            if ranks not in _separate_groups:
+                _separate_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group = _separate_groups[ranks]
         backend = str(dist.get_backend(group))
         if name is None:
             name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
         return cls(group, dist.get_world_size(group), dist.get_rank(group), streams, backend == "gloo", name)
+
+
+_separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 # All-gather --------------------------------------------------------------------------------

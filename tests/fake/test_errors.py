@@ -209,3 +209,111 @@ def test_a_failed_wait_names_this_ranks_last_collectives(mesh8):
     assert "Timed out waiting 1800000ms" in message
     assert "all_gather of group '<root>', float32" in message and "reduce_scatter of group '<root>'" in message
     assert "SHARDKIT_CHECK=1" in message
+
+
+# The same exception types as FSDP2 -----------------------------------------------------------
+class WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _three_d_mesh(fs, mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    fs(nn.Linear(4, 4), mesh=DeviceMesh("cpu", torch.arange(8).view(2, 2, 2), mesh_dim_names=("a", "b", "c")))
+
+
+def _scalar(fs, mesh):
+    fs(WithScalar(), mesh=mesh)
+
+
+def _shard_dim_too_high(fs, mesh):
+    from torch.distributed.tensor import Shard
+
+    fs(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(2))
+
+
+def _forward_on_meta(fs, mesh):
+    with torch.device("meta"):
+        m = nn.Linear(4, 4)
+    fs(m, mesh=mesh)
+    m(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("case", [_three_d_mesh, _scalar, _shard_dim_too_high, _forward_on_meta], ids=lambda f: f.__name__[1:])
+def test_invalid_input_raises_what_fsdp2_raises(case):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    raised = {}
+    for name, fs in [("shardkit", fully_shard), ("torch", torch_fully_shard)]:
+        with fake_world(8) as mesh, pytest.raises(Exception) as info:
+            case(fs, mesh)
+        raised[name] = info.value
+    assert isinstance(raised["shardkit"], type(raised["torch"])), {k: type(v).__mro__ for k, v in raised.items()}
+
+
+def test_a_meta_mesh_raises_naming_it():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_world(2):
+        mesh = DeviceMesh("meta", torch.arange(2))
+        with pytest.raises(ValueError, match=r"cannot shard over DeviceMesh\(.*'meta'.*runs no collectives"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_a_cuda_mesh_without_cuda_raises_naming_it():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_world(2):
+        mesh = DeviceMesh("cuda", torch.arange(2))
+        with pytest.raises(RuntimeError, match=r"CUDA mesh DeviceMesh\(.*'cuda'.*not available.*init_device_mesh\('cpu'"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+@pytest.mark.parametrize("placement", ["Replicate", "Shard"])
+def test_params_that_are_already_dtensors_on_the_fsdp_ranks_raise_saying_what_works(placement):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    with fake_world(2) as mesh:
+        m = nn.Linear(4, 4)
+        how = Replicate() if placement == "Replicate" else Shard(0)
+        m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [how]))
+        with pytest.raises(ValueError, match=r"'weight' of Linear is already a DTensor.*TP on mesh\[\"tp\"\].*plain tensors"):
+            fully_shard(m, mesh=mesh)
+
+
+def test_an_optimizer_built_before_fully_shard_warns_once_at_its_first_step():
+    import warnings
+
+    with fake_world(2) as mesh:
+        m = nn.Linear(4, 4)
+        stale = torch.optim.AdamW(m.parameters())
+        fully_shard(m, mesh=mesh)
+        good = torch.optim.AdamW(m.parameters())
+        m(torch.randn(2, 4)).sum().backward()
+        with pytest.warns(UserWarning, match=r"AdamW holds 2 parameters that fully_shard has replaced.*Build the optimizer after"):
+            stale.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            stale.step()  # once
+            good.step()  # and never for one built after
+
+
+def test_a_full_parameter_assigned_before_the_first_forward_is_sharded_then():
+    with fake_world(2) as mesh:
+        m = nn.Linear(4, 4)
+        fully_shard(m, mesh=mesh)
+        new = torch.arange(16.0).view(4, 4)
+        m.weight = nn.Parameter(new.clone())
+        early = torch.optim.SGD(m.parameters(), lr=0.1)  # holds the full weight
+        m(torch.randn(2, 4)).sum().backward()
+        assert isinstance(m.weight, DTensor) and torch.equal(m.weight.to_local(), new[:2])
+        assert m.weight.grad is not None
+        with pytest.warns(UserWarning, match="holds 1 parameters that fully_shard has replaced"):
+            early.step()

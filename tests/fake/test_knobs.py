@@ -257,6 +257,18 @@ def test_set_custom_all_gather_and_reduce_scatter_before_the_first_forward():
     assert calls(t, "all_gather")["blocks.0"] == 2 and calls(t, "reduce_scatter")["blocks.0"] == 1
 
 
+def test_set_separate_reduce_scatter_group_before_the_first_forward():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.blocks[0].set_separate_reduce_scatter_group()
+        t = first_step(net)
+        group = net.blocks[0]._shardkit().group
+        separate, default = group.layout.separate.group, group.layout.comm.group
+        assert separate is not default and torch.distributed.get_process_group_ranks(separate) == [0, 1, 2, 3]
+        assert net.blocks[1]._shardkit().group.layout.separate is None  # not recursive to siblings
+    assert calls(t, "reduce_scatter") == Counter({"blocks.2": 1, "blocks.1": 1, "blocks.0": 1, "": 1})
+
+
 @pytest.mark.parametrize("limit", [1, 3])
 def test_set_reduce_scatter_max_input_buffers_bounds_the_reductions_in_flight(limit, monkeypatch):
     monkeypatch.setattr(Handle, "poll", lambda self: False)  # none completes early

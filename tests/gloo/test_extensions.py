@@ -127,7 +127,7 @@ class UserComm:
 
 
 @checks()
-def custom_collectives_and_an_all_reduce_hook_train_like_the_reference(mesh, impl):
+def custom_collectives_an_all_reduce_hook_and_a_separate_reduce_scatter_group_train_like_the_reference(mesh, impl):
     from gloo_parity import Stack, shard_blocks_then_root
 
     p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
@@ -136,6 +136,7 @@ def custom_collectives_and_an_all_reduce_hook_train_like_the_reference(mesh, imp
     p.model.blocks[0].set_custom_reduce_scatter(reduce)
     halved = []
     p.model.blocks[1].set_all_reduce_hook(lambda reduced: halved.append(reduced.mul_(0.5)))
+    p.model.blocks[1].set_separate_reduce_scatter_group()
     for step, batch in enumerate(stack_batches(STEPS)):
         result = p.forward_backward(batch)
         assert_close(result.loss, result.ref_loss, f"loss at step {step}")

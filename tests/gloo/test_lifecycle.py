@@ -280,6 +280,37 @@ def parameters_with_a_zero_size_dim_train(mesh, impl):
     assert [shapes[n] for n in ("rows", "cols", "flat")] == [(0, 5), (5, 0), (0,)], shapes
 
 
+# What FSDP2 refuses and shardkit computes correctly --------------------------------------------
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 6)
+        self.lin.weight = nn.Parameter(torch.randn(8, 6).t())  # (6, 8), strides (1, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x)))
+
+
+@checks("shardkit")  # FSDP2: NotImplementedError, "FSDP does not support non-contiguous parameters yet"
+def a_non_contiguous_parameter_trains_like_the_reference(mesh, impl):
+    p = Parity.build(Transposed, lambda m: FULLY_SHARD[impl](m, mesh=mesh), mesh, impl, loss_of=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+    p.train(stack_batches(STEPS))
+    p.assert_params_match()
+
+
+@checks("shardkit")  # FSDP2: AssertionError, "Please init the 2D mesh for HSDP with mesh_dim_names specified"
+def a_2d_mesh_without_dim_names_is_hsdp(mesh, impl):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for shape in [(2, 1), (1, 2)]:
+        hsdp = DeviceMesh("cpu", torch.arange(mesh.size()).view(shape))
+        p = Parity.build(Pair, lambda m: FULLY_SHARD[impl](m, mesh=hsdp), mesh, impl, loss_of=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+        p.train(stack_batches(STEPS))
+        p.assert_params_match()
+        assert p.model.blocks[0].weight.placements[0].is_replicate(), shape
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_lifecycle_cases_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
