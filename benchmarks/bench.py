@@ -79,6 +79,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--foreach", choices=("auto", "on", "off"), default="auto", help="AdamW foreach")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number here")
+    parser.add_argument("--float8", action="store_true", help="the blocks' Linear layers as torchao float8 (1-byte all-gathers); needs torchao")
     parser.add_argument("--only-overhead", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
@@ -118,6 +119,11 @@ def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
     torch.manual_seed(args.seed)
     base = GPT(config)  # deepcopy keeps the tied head/embedding weight tied
+    if args.float8:  # torchao's float8 training, its weights all-gathered in float8 (as torchtitan does)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(base, config=f8, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
     models = {
         "shardkit": apply_fully_shard(copy.deepcopy(base), shardkit.fully_shard, mesh=mesh),
         "fsdp2": apply_fully_shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh),

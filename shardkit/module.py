@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from shardkit import hooks, root
+from shardkit.dtensor import replaced
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.state import GroupState, is_root, state_of
 
@@ -199,7 +200,7 @@ class FSDPModule:
         group = self._shardkit().group
         if group is not None:
             for p in group.params:
-                p.reset_from_registered()
+                replaced.reset_from_registered(p)
             group.reset_layout()
         return result
 
@@ -284,7 +285,7 @@ def accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:
                 value = state_dict.get(prefix + name)
                 full_shape = p.tp_spec.shape if p.tp_spec is not None else p.shape
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == full_shape:
-                    state_dict[prefix + name] = p.from_full(value)
+                    state_dict[prefix + name] = replaced.from_full(p, value)
         return hook
 
     for module, entries in by_module.items():

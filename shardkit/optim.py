@@ -40,6 +40,8 @@ _ELEMENTWISE = tuple(
 _swapped: dict[int, tuple[list, list]] = {}
 _installed = False
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers looked at once
+# ParamGroups holding gathered data (param_group.py): any optimizer step makes it stale.
+holding_gathered_data: weakref.WeakSet = weakref.WeakSet()
 
 
 def install_once() -> None:
@@ -47,10 +49,18 @@ def install_once() -> None:
     global _installed
     if not _installed:
         register_optimizer_step_pre_hook(_warn_if_built_before_fully_shard)
+        register_optimizer_step_post_hook(_gathered_data_is_stale)
         if os.environ.get("SHARDKIT_LOCAL_OPTIM", "1") != "0":
             register_optimizer_step_pre_hook(_to_local)
             register_optimizer_step_post_hook(_to_dtensor)
         _installed = True
+
+
+def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
+    for group in list(holding_gathered_data):
+        if group.layout is not None:
+            group.layout.gathered_version = None
 
 
 def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -24,18 +24,17 @@ gathered.
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit import optim
 from shardkit.comm import collectives, trace
 from shardkit.comm.buckets import Bucket, GatherBucket, reduce_buckets
 from shardkit.comm.collectives import Comm, PendingAllGather, PendingReduction
 from shardkit.comm.streams import streams_for
+from shardkit.dtensor import replaced
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.options import GroupOptions
 
@@ -63,26 +62,6 @@ class Layout:
     gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
 
 
-# Groups holding gathered data right now: any optimizer step makes it stale.
-_live: "weakref.WeakSet[ParamGroup]" = weakref.WeakSet()
-
-
-def _optimizer_stepped(optimizer, args, kwargs) -> None:
-    # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
-    for group in list(_live):
-        if group.layout is not None:
-            group.layout.gathered_version = None
-
-
-_step_hook = None
-
-
-def _install_step_hook_once() -> None:
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_optimizer_stepped)
-
-
 def still_on_meta(names: list[str]) -> RuntimeError:
     return RuntimeError(
         f"shardkit: parameters {names} are still on the meta device at the first forward or "
@@ -105,7 +84,6 @@ class ParamGroup:
         self.layout: Layout | None = None  # at lazy init
         self.gathering: list[PendingAllGather] = []  # issued, not yet waited for
         self.reducing: list[PendingReduction] = []  # issued, not yet finished
-        _install_step_hook_once()
         optim.install_once()
 
     @property
@@ -125,7 +103,7 @@ class ParamGroup:
 
     def lazy_init(self) -> None:
         for p in self.params:
-            p.adopt_registered()
+            replaced.adopt(p)
         meta = [p.fqn for p in self.params if p.shard_device.type == "meta"]
         if meta:
             raise still_on_meta(meta)
@@ -171,7 +149,7 @@ class ParamGroup:
         self.gathering = [collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather)]
         self._drop_post_forward()  # the handles keep them until the all-gather is waited for
         self.storage = Storage.GATHERING
-        _live.add(self)
+        optim.holding_gathered_data.add(self)
 
     def needs_all_gather(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -207,6 +185,7 @@ class ParamGroup:
         self.wait_for_unshard()
         if self.storage is Storage.UNSHARDED:
             for p in self.params:
+                replaced.check_held(p)
                 p.to_sharded()
             trace.record("reshard", self.name, detail)
             self.storage = Storage.KEPT
@@ -215,7 +194,7 @@ class ParamGroup:
                 p.free_unsharded()
             self.storage = Storage.SHARDED
             if not self.holds_post_forward:
-                _live.discard(self)
+                optim.holding_gathered_data.discard(self)
 
     @property
     def holds_post_forward(self) -> bool:
@@ -227,6 +206,7 @@ class ParamGroup:
 
     def _register_unsharded(self) -> None:
         for p in self.params:
+            replaced.follow(p)
             p.to_unsharded()
         self.storage = Storage.UNSHARDED
         trace.record("unshard", self.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from shardkit.dtensor import replaced
 from shardkit.lockstep import LockstepSchedule
 from shardkit.param_group import still_on_meta
 from shardkit.schedule import Schedule
@@ -42,7 +43,7 @@ def lazy_init(root: GroupState) -> Schedule:
         states.append(state)
         seen.add(state)
     for p in (p for s in states if s.group for p in s.group.params):
-        p.adopt_registered()  # what the modules hold now is what gets its FQN
+        replaced.adopt(p)  # what the modules hold now is what gets its FQN
     _name_params(root_module, states)
     meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
     if meta:

@@ -7,14 +7,12 @@ recomputation, are other calls of the group still open?), looks ``(phase, event)
 ``state.RULES``, enters the next phase and runs the rule's actions: the methods below of the
 same names. The schedule also owns what spans groups: the orders prefetching follows, the
 reductions in flight, the end of the forward pass (``close_pass``) and of backward
-(``end_backward``). ``lockstep.py`` is a variant of it: agree with the other ranks, then act.
-docs/design.md walks through one step.
-
-Tied: a weight shared by two groups (an embedding tied to an output head sharded by another
-call) belongs to the group that sharded it first, the owner; the other group registers the
-same parameter and unshards the owner's group around its own forward and backward. Autograd
-sums both uses into the one unsharded ``.grad``; the owner reduces it once, after every
-group using it has passed its post-backward.
+(``end_backward``). ``lockstep.py`` is a variant: agree with the other ranks, then act.
+Tied: a weight shared by two groups (an embedding tied to a head sharded by another call)
+belongs to the group that sharded it first, the owner; the other group registers the same
+parameter and unshards the owner's group around its own forward and backward. Autograd sums
+both uses into the one ``.grad``; the owner reduces it once, after every group using it has
+passed its post-backward. docs/design.md walks through a step.
 """
 
 from __future__ import annotations
@@ -76,15 +74,13 @@ class Schedule:
         self.fire(state, event, call)
 
     def post_forward(self, state: GroupState, call: Call) -> None:
-        step = state.step
-        if step.phase is not Phase.FORWARD:
-            event = Event.POST_FORWARD  # the end of a recomputation
-        elif self.forward_root is state and step.calls == 1:
+        step, forward = state.step, state.step.phase is Phase.FORWARD
+        if forward and self.forward_root is state and step.calls == 1:
             event = Event.END_FORWARD  # even if others of its modules did not run (a head called alone)
-        elif step.calls > 1 or step.to_run - {call.module}:
+        elif forward and (step.calls > 1 or step.to_run - {call.module}):
             event = Event.INNER_POST_FORWARD
         else:
-            event = Event.POST_FORWARD
+            event = Event.POST_FORWARD  # (outside FORWARD: the end of a recomputation)
         self.fire(state, event, call)
 
     def pre_backward(self, state: GroupState) -> None:

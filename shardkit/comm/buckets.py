@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.dtensor.sharded_param import ShardedParam, alloc_storage
+from shardkit.dtensor.sharded_param import ShardedParam
+from shardkit.dtensor.storage import alloc_storage
 
 
 @dataclass

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.dtensor.placements import contiguous_stride
+from shardkit.dtensor.storage import alloc_storage, free_storage
 
 
 def of(local: torch.Tensor, where: str) -> "Extension | None":
@@ -93,7 +94,7 @@ class Extension:
             self.outputs = [torch.empty(world * t.numel(), dtype=t.dtype, device=device) for t in inputs]
             self.targets = [t.data for t in self.outputs]
         for t in self.outputs:
-            _alloc(t)
+            alloc_storage(t)
 
     def build(self, local: torch.Tensor, param: nn.Parameter | None, shape: torch.Size, param_dtype: torch.dtype, tp_spec: DTensorSpec | None, requires_grad: bool) -> nn.Parameter:
         """The unsharded parameter from the gathered outputs: made the first time, then updated."""
@@ -101,7 +102,7 @@ class Extension:
         post = local.fsdp_post_all_gather
         if param is not None:
             for t in self.inner:
-                _alloc(t)
+                alloc_storage(t)
             post(outputs, self.metadata, param_dtype, out=param)
             return param
         tensor, self.inner = post(outputs, self.metadata, param_dtype)
@@ -113,10 +114,4 @@ class Extension:
 
     def free(self) -> None:
         for t in [*self.outputs, *self.inner]:
-            t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
+            free_storage(t)

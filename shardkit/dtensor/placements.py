@@ -13,7 +13,7 @@ import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -84,3 +84,8 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= size
     return tuple(reversed(stride))
+
+
+def to_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """Wrap a local shard as a DTensor with a precomputed spec (no checks, no autograd)."""
+    return DTensor(local, spec, requires_grad=False)

@@ -19,6 +19,8 @@ parameter is a DTensor with the TP placements again, the sharded one a DTensor o
   during forward/backward. The object lives for the whole run; only its storage is freed
   and refilled, through ``unsharded_flat``, a ``.data`` alias with its own version counter
   (docs/design.md says why).
+- A parameter whose local shard has FSDP2's all-gather hooks (torchao's float8, NF4) gets its
+  unsharded form from them instead (``extension.py``).
 - The **post-forward shard** (``post_forward_shard``), with ``reshard_after_forward=R`` (an
   int): this rank's ``1/R`` of the unsharded parameter, kept from the end of forward to the
   backward all-gather among ``R`` ranks, laid out as the unsharded buffer's first rows.
@@ -34,11 +36,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.dtensor import extension
-from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, with_size
+from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, to_dtensor, with_size
+from shardkit.dtensor.storage import free_storage
 from shardkit.options import ParamOptions
 
 
@@ -74,7 +77,8 @@ class ShardedParam:
         self.shape, self.dtype = local.shape, local.dtype
         self.dim = dim
         self.options = options
-        self.extension = extension.of(local, f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}")
+        where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
+        self.extension = extension.of(local, where)
         self.device = device  # where the unsharded parameter lives and the collectives run
         # Mixed precision applies to floating-point parameters only (as in FSDP2).
         floating = self.dtype.is_floating_point
@@ -90,11 +94,8 @@ class ShardedParam:
         self.local_rows = local_rows(rows, self.world, self.rank)
         self.padded_shape = with_size(self.shape, dim, self.padded_rows)
         self.shard_numel = self.padded_shape.numel()
-        if self.tp_spec is None:
-            self.spec = sharded_spec(mesh, self.shape, self.dtype, dim)
-        else:
-            where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
-            self.spec = dp_tp_spec(mesh, self.tp_spec, dim, where)
+        tp = self.tp_spec
+        self.spec = sharded_spec(mesh, self.shape, self.dtype, dim) if tp is None else dp_tp_spec(mesh, tp, dim, where)
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
         self._shard_mesh: DeviceMesh | None = None  # the hooks' 1-D mesh, made at the first all-gather
         self.unsharded_flat: torch.Tensor | None = None
@@ -114,15 +115,12 @@ class ShardedParam:
         device = full.device if full.device.type == "meta" else device  # meta stays meta until to_empty
         pin = self.pin_memory and device.type == "cpu"
         if self.extension is not None:  # keep the subclass: it makes its own zeros
-            padded = full.new_zeros(self.padded_shape)
-            padded = padded.to(device) if device.type != "meta" else padded
+            padded = full.new_zeros(self.padded_shape).to(device)
             padded = padded.pin_memory() if pin else padded
-            self._valid(padded).copy_(self._my_rows(full))
         else:
-            padded = torch.empty(self.padded_shape, dtype=self.dtype, device=device, pin_memory=pin)
-        if device.type != "meta" and self.extension is None:
+            padded = torch.zeros(self.padded_shape, dtype=self.dtype, device=device, pin_memory=pin)
+        if device.type != "meta":
             with torch.no_grad():
-                padded.zero_()
                 self._valid(padded).copy_(self._my_rows(full))
         self._set_padded_shard(padded)
 
@@ -131,58 +129,6 @@ class ShardedParam:
         local = self._valid(padded)  # what DTensor sees: local_rows along dim
         self.sharded_param = nn.Parameter(to_dtensor(local, self.spec), requires_grad=self._init_requires_grad)
         self.sharded_param._shardkit_owned = True  # marks "already managed" for fully_shard
-
-    def reset_from_registered(self) -> None:
-        """Re-derive the padded shard after ``module._apply`` (``to_empty``, ``.to``) swapped its data."""
-        registered = self.slots[0].module._parameters[self.slots[0].name]
-        local = registered._local_tensor
-        if local.device.type == "meta":
-            padded = local.new_empty(self.padded_shape)
-        elif _backs(self.padded_shard, local):
-            padded = self.padded_shard  # nothing moved
-        else:
-            padded = local.new_zeros(self.padded_shape)
-            with torch.no_grad():
-                self._valid(padded).copy_(local)
-            registered._local_tensor = self._valid(padded)
-        # Keep the registered Parameter object (the optimizer may already hold it).
-        self.padded_shard, self.sharded_param = padded, registered
-        if local.dtype != self.dtype:  # .to(dtype): mixed-precision dtypes that followed the old one follow the new
-            self.param_dtype = local.dtype if self.param_dtype == self.dtype else self.param_dtype
-            self.reduce_dtype = local.dtype if self.reduce_dtype == self.dtype else self.reduce_dtype
-        self.dtype, self.spec = local.dtype, registered._spec
-        self.unsharded_param = self.unsharded_flat = None
-        self.extension = extension.of(local, self.extension.where) if self.extension else extension.of(local, self.fqn)
-
-    def adopt_registered(self) -> None:
-        """At lazy init, as FSDP2: take what the module holds if it is no longer our sharded
-        parameter: a full tensor assigned after ``fully_shard`` (``m.w = nn.Parameter(...)``)
-        is sharded; a DTensor like ours (``load_state_dict(sd, assign=True)``) is adopted."""
-        slot = self.slots[0]
-        registered = slot.module._parameters[slot.name]
-        if registered is self.sharded_param:
-            return
-        where = f"{type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}')"
-        if isinstance(registered, DTensor):
-            if (registered.shape, registered.placements) != (self.sharded_param.shape, self.spec.placements):
-                raise ValueError(
-                    f"shardkit: {where} was replaced after fully_shard by a DTensor {list(registered.placements)} of "
-                    f"shape {tuple(registered.shape)}; expected {list(self.spec.placements)} of shape "
-                    f"{tuple(self.sharded_param.shape)} (a state dict of the same model, sharded the same way)."
-                )
-            self.reset_from_registered()
-        elif self.tp_spec is None and registered.shape == self.shape:
-            self._init_requires_grad = registered.requires_grad
-            self._shard(registered.detach(), self.device)  # a new Parameter (DTensor has slots: no swap)
-            registered._shardkit_replaced = True  # an optimizer holding it warns at its first step
-        else:
-            raise ValueError(
-                f"shardkit: {where} was replaced after fully_shard by a tensor of shape {tuple(registered.shape)}; "
-                f"it can take a full tensor of shape {tuple(self.shape)} before the first forward."
-            )
-        self.sharded_param._shardkit_owned = True
-        for s in self.slots:
-            s.module._parameters[s.name] = self.sharded_param
 
     @property
     def requires_grad(self) -> bool:
@@ -290,38 +236,11 @@ class ShardedParam:
         param = self.unsharded_param
         if param.requires_grad != self.requires_grad:
             param.requires_grad_(self.requires_grad)
-        if self.extension is None and self.tp_spec is None and param.untyped_storage()._cdata != self._flat_storage:
-            self._refill_replaced_data()
         for slot in self.slots:
             slot.module._parameters[slot.name] = param
 
-    def _refill_replaced_data(self) -> None:
-        """The module gave our unsharded parameter other data during a forward (HF
-        SwitchTransformers' router runs ``self.classifier = self.classifier.to(torch.float32)``,
-        which sets ``param.data`` to an fp32 copy): it no longer views the all-gather buffer.
-        Keep the module's choice of dtype and device, and refill it with what was just gathered,
-        so that no step computes with an earlier step's values. (``.data``: autograd does not
-        see this as an in-place edit; within a step the values are the same.)"""
-        data = self.unsharded_param.data
-        gathered = self.unsharded_padded.narrow(self.dim, 0, self.shape[self.dim])
-        if data.shape != gathered.shape:
-            raise RuntimeError(
-                f"shardkit: parameter '{self.fqn}' of {type(self.slots[0].module).__name__} was given data of shape "
-                f"{tuple(data.shape)} during forward, but it has shape {tuple(gathered.shape)}; shardkit can follow a "
-                "change of dtype or device only. Reshape a copy instead of the parameter."
-            )
-        data.copy_(gathered)
-
     def to_sharded(self) -> None:
         for slot in self.slots:
-            held = slot.module._parameters.get(slot.name)
-            if self.unsharded_param is not None and held is not self.unsharded_param and held is not self.sharded_param:
-                raise RuntimeError(
-                    f"shardkit: {type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}') was replaced by a "
-                    "new object while unsharded, e.g. `module.weight = nn.Parameter(...)` in forward. shardkit would "
-                    "lose its gradient and keep training the old one. Change the parameter's data instead "
-                    "(`module.to(dtype)` is followed), or use a plain tensor attribute for the copy."
-                )
             slot.module._parameters[slot.name] = self.sharded_param
 
     def accumulate_unreduced_grad(self) -> None:
@@ -343,13 +262,6 @@ class ShardedParam:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
             self.accumulated_grad = None
         return grad
-
-    def from_full(self, full: torch.Tensor) -> DTensor:
-        """This rank's shard of a full (unsharded, global) tensor, as a DTensor like the sharded
-        parameter: for ``load_state_dict`` of plain tensors. No communication."""
-        if self.tp_spec is not None:  # the TP-local part first, as tensor parallel would have it
-            full = distribute_tensor(full, self.tp_spec.mesh, self.tp_spec.placements, src_data_rank=None)._local_tensor
-        return to_dtensor(self._my_rows(full).to(self.shard_device, self.dtype), self.spec)
 
     def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """A TP parameter's gradient as the local tensor of the TP placements."""
@@ -374,24 +286,3 @@ class ShardedParam:
         else:
             grad._local_tensor.add_(local_grad)
 
-
-def to_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """Wrap a local shard as a DTensor with a precomputed spec (no checks, no autograd)."""
-    return DTensor(local, spec, requires_grad=False)
-
-
-def free_storage(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def alloc_storage(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
-
-
-def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
-    """Whether ``padded`` still holds ``local``'s data (an empty local shard has no pointer)."""
-    if padded.device != local.device or padded.dtype != local.dtype:
-        return False
-    return local.numel() == 0 or padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()

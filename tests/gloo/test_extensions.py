@@ -6,7 +6,6 @@ with an unsharded reference in one process, or (float8, where the reference woul
 float8's own all-gather) with FSDP2 in the same run.
 """
 
-import copy
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import shardkit
 from extension_tensors import CALLS, OldSignature, Tagged
 from gloo_harness import Checks, run_worker
-from gloo_parity import FULLY_SHARD, Parity, assert_close, local, mean_over_ranks, stack_batches
+from gloo_parity import FULLY_SHARD, Parity, assert_close, mean_over_ranks, stack_batches
 
 checks = Checks()
 STEPS = 3

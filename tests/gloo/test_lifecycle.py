@@ -5,7 +5,6 @@ under activation checkpointing, ``.to(dtype)`` after ``fully_shard``, a module r
 own parameter's data in forward (HF SwitchTransformers' router), zero-size parameters.
 """
 
-import copy
 
 import pytest
 import torch

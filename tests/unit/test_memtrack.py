@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardkit.dtensor.sharded_param import alloc_storage, free_storage
+from shardkit.dtensor.storage import alloc_storage, free_storage
 from shardkit.memtrack import MemTracker
 
 
