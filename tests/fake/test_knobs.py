@@ -16,6 +16,7 @@ from shardkit.comm.streams import Handle
 from shardkit.lockstep import LockstepSchedule
 from shardkit.param_group import Storage
 from tests.conftest import TanhStack, fake_world
+from tests.gloo.extension_tensors import UserComm
 
 
 def sharded(mesh, n_blocks: int = 3) -> TanhStack:
@@ -225,27 +226,10 @@ def test_set_all_reduce_hook_before_the_first_forward_sees_each_reduced_chunk_on
     assert all(p.grad.to_local().abs().sum() > 0 for p in net.blocks[0].parameters())
 
 
-class CountingComm:
-    """A user's collective in FSDP2's AllGather / ReduceScatter shape, over torch.distributed."""
-
-    def __init__(self, kind):
-        self.kind, self.calls, self.allocated = kind, 0, []
-
-    def allocate(self, size, *, dtype, device):
-        self.allocated.append(tuple(size))
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        self.calls += 1
-        if self.kind == "all_gather":
-            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 def test_set_custom_all_gather_and_reduce_scatter_before_the_first_forward():
     with fake_world(4) as mesh:
         net = sharded(mesh)
-        gather, reduce = CountingComm("all_gather"), CountingComm("reduce_scatter")
+        gather, reduce = UserComm("all_gather"), UserComm("reduce_scatter")
         net.blocks[0].set_custom_all_gather(gather)
         net.blocks[0].set_custom_reduce_scatter(reduce)
         t = first_step(net)

@@ -1,4 +1,6 @@
-"""A small tensor subclass with FSDP2's all-gather hooks, for the extension tests.
+"""FSDP2's extension points, as a user fills them in: a small tensor subclass with the
+all-gather hooks (``Tagged``), and a user's collective (``UserComm``). Shared by the gloo and
+the fake-process-group tests.
 
 ``Tagged`` wraps a float32 tensor. Its all-gather sends two inputs of different dtypes: the
 data, and a one-element int64 "tag" (this step's count), so the byte layout of one collective
@@ -75,3 +77,21 @@ class OldSignature(Tagged):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return OldSignature(inner["_data"])
+
+
+class UserComm:
+    """FSDP2's AllGather / ReduceScatter shape (``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``) over torch.distributed, counting its calls and allocations."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.calls, self.allocated = kind, 0, []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(tuple(size))
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        self.calls += 1
+        if self.kind == "all_gather":
+            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

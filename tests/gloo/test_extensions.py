@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 import shardkit
-from extension_tensors import CALLS, OldSignature, Tagged
+from extension_tensors import CALLS, OldSignature, Tagged, UserComm
 from gloo_harness import Checks, run_worker
 from gloo_parity import FULLY_SHARD, Parity, assert_close, mean_over_ranks, stack_batches
 
@@ -109,22 +109,6 @@ def a_group_of_hooked_and_plain_params_gathers_once_as_bytes(mesh, impl):
 
 
 # The other extension points: a user's collectives and the all-reduce hook ------------------
-class UserComm:
-    """FSDP2's AllGather / ReduceScatter shape, over torch.distributed, counting its calls."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind, self.calls = kind, 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        self.calls += 1
-        if self.kind == "all_gather":
-            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 @checks()
 def custom_collectives_an_all_reduce_hook_and_a_separate_reduce_scatter_group_train_like_the_reference(mesh, impl):
     from gloo_parity import Stack, shard_blocks_then_root
