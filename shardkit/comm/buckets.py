@@ -120,7 +120,7 @@ class GatherBucket:
     def copy_in_converts(self) -> bool:
         """Copy-in casts (mixed precision, bytes) or moves host-to-device (offload); post-forward
         shards are already in param_dtype on the device, and hooks return what to send."""
-        if self.dtype is torch.uint8 and len(set(self.dtypes)) > 1:
+        if len(set(self.dtypes)) > 1:  # bytes
             return True
         plain = [p for p in self.params if p.extension is None]
         return not self.post_forward and any(p.dtype != p.param_dtype or p.shard_device != p.device for p in plain)
