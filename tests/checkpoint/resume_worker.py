@@ -3,7 +3,9 @@ WORLD CKPT OUT``, spawning WORLD gloo ranks.
 
 MODE: ``straight`` (10 steps), ``save`` (5 steps, then save to CKPT), ``resume`` (load CKPT
 into a differently initialized model, then steps 5..9), ``crash`` (5 steps, then a save
-that dies before it is published), ``refuse`` (load CKPT, expecting an error). Rank 0 writes
+that dies before it is published), ``save-async`` (5 steps, an asynchronous save, then steps
+5..9 while it writes), ``crash-async`` (5 steps, then an asynchronous save that dies before it
+is published), ``refuse`` (load CKPT, expecting a CheckpointError). Rank 0 writes
 ``{"losses": [...], "params": {name: full tensor as list}}`` or the error to OUT.
 The global batch of a step is the same at every world size; each rank takes its chunk.
 """
@@ -12,6 +14,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,7 +49,7 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> Non
     model = apply_fully_shard(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, dropout=DROPOUT)), shardkit.fully_shard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     result: dict = {"losses": []}
-    steps = range(STEPS) if mode == "straight" else range(HALF) if mode in ("save", "crash") else range(HALF, STEPS)
+    steps = range(STEPS) if mode in ("straight", "save-async") else range(HALF) if mode in ("save", "crash", "crash-async") else range(HALF, STEPS)
     torch.manual_seed(1234 + rank)  # dropout masks; resume restores the saved RNG state instead
     try:
         if mode in ("resume", "refuse"):
@@ -56,6 +59,11 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> Non
             if mode == "refuse":
                 raise AssertionError("loading an incomplete checkpoint should fail")
         for step in steps:
+            if step == HALF and mode == "save-async":  # training goes on while the files are written
+                started = time.perf_counter()
+                writing = checkpoint.save(ckpt, model, opt, step=HALF, extra={"note": "half way"}, async_save=True)
+                result["stall_s"] = time.perf_counter() - started
+                result["saved"] = _flat(checkpoint.full_state_dict(model))
             x, y = batch(step, world, rank)
             logits, _ = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -65,17 +73,26 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> Non
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             result["losses"].append((mean / world).item())
+        if mode == "save-async":
+            writing.result()
         if mode == "save":
+            started = time.perf_counter()
             checkpoint.save(ckpt, model, opt, step=HALF, extra={"note": "half way"})
+            result["stall_s"] = time.perf_counter() - started
             result["saved"] = _flat(checkpoint.full_state_dict(model))
         if mode == "crash":
             def die(*args):
                 os._exit(3)  # killed after writing every shard, before publishing
             checkpoint._publish = die
             checkpoint.save(ckpt, model, opt, step=HALF)
+        if mode == "crash-async":
+            def die_later(*args):
+                os._exit(3)  # the background half dies after writing every shard, before publishing
+            checkpoint._publish = die_later
+            checkpoint.save(ckpt, model, opt, step=HALF, async_save=True).result()
         result["params"] = _flat(checkpoint.full_state_dict(model))
-    except checkpoint.IncompleteCheckpointError as exc:
-        result["error"] = str(exc)
+    except checkpoint.CheckpointError as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
