@@ -67,19 +67,21 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         state = _state(model, optimizer)
         state[f"rng/rank{rank}"] = _rng_state()
         meta = {"step": step, "extra": extra, "world_size": world, "time": time.time()}
+        writer = FileSystemWriter(staging)
+        writer.fs = manifest.SummingFileSystem()  # checksums while writing
         if not async_save:
-            dcp.save(state, storage_writer=FileSystemWriter(staging))
-            _finish_save(staging, path, meta, rank, None)
+            dcp.save(state, storage_writer=writer)
+            _finish_save(staging, path, meta, rank, None, writer.fs.sums)
             return None
         group = _checkpoint_group()
-        writing = dcp.async_save(state, storage_writer=FileSystemWriter(staging), process_group=group)
+        writing = dcp.async_save(state, storage_writer=writer, process_group=group)
     done: Future = Future()
 
     def finish() -> None:
         try:
             with _failures(path, rank, "saving"):
                 writing.result()
-                _finish_save(staging, path, meta, rank, group)
+                _finish_save(staging, path, meta, rank, group, writer.fs.sums)
             done.set_result(None)
         except BaseException as exc:  # handed to whoever waits on the future
             done.set_exception(exc)
@@ -88,10 +90,10 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     return done
 
 
-def _finish_save(staging: str, path: str, meta: dict, rank: int, group) -> None:
-    """Once every rank's files are written: checksum them (each rank its own), then rank 0
-    publishes the manifest and renames the folder into place."""
-    files = _all_gather(manifest.own_files(staging, rank), group)
+def _finish_save(staging: str, path: str, meta: dict, rank: int, group, sums: dict) -> None:
+    """Once every rank's files are written: gather their checksums (each rank its own), then
+    rank 0 publishes the manifest and renames the folder into place."""
+    files = _all_gather(manifest.own_files(staging, rank, sums), group)
     if rank == 0:
         meta["files"] = {name: sums for ranks in files for name, sums in ranks.items()}
         meta["files"][".metadata"] = manifest.checksum(os.path.join(staging, ".metadata"))
@@ -108,7 +110,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     with _failures(path, rank, "loading"):
         meta = manifest.read(path, rank)
         _verify(path, meta, rank, world)
-        reader = trust.SafeReader(path)
+        reader = trust.SafeReader(path, meta.get("files"))
         try:
             metadata = reader.read_metadata()
         except trust.Refused as exc:
@@ -118,7 +120,13 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         rng_key = f"rng/rank{rank}"
         if rng and meta.get("world_size") == world:
             state[rng_key] = _rng_state()  # a same-shaped placeholder DCP loads into
-        dcp.load(state, storage_reader=reader, planner=trust.SafePlanner())
+        try:
+            dcp.load(state, storage_reader=reader, planner=trust.SafePlanner())
+        except CheckpointException as exc:
+            damaged = [e for e, _ in exc.failures.values() if isinstance(e, trust.Damaged)]
+            if damaged:  # found as the items were read: the model is partly loaded
+                raise CorruptCheckpointError(path, rank, f"{damaged[0]} The model is partly loaded: load a good checkpoint into it.{manifest.hint(path)}") from exc
+            raise
         model_sd, optim_sd = state["model"], state.get("optim")
         if optimizer is not None:
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -63,7 +64,8 @@ def test_a_round_trip_loads_what_was_saved_and_the_manifest_lists_every_file(mes
     path, m, opt = saved
     meta = json.load(open(os.path.join(path, "COMPLETE")))
     assert sorted(meta["files"]) == [".metadata", "__0_0.distcp"]
-    assert all(set(f) == {"bytes", "crc32"} for f in meta["files"].values())
+    assert set(meta["files"][".metadata"]) == {"bytes", "crc32"} and set(meta["files"]["__0_0.distcp"]) == {"bytes", "items"}
+    assert len(meta["files"]["__0_0.distcp"]["items"]) > 1  # one CRC-32 per item, checked as it is read
     fresh = model(mesh)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     assert checkpoint.load(path, fresh, fresh_opt)["step"] == 1
@@ -74,16 +76,19 @@ def test_a_round_trip_loads_what_was_saved_and_the_manifest_lists_every_file(mes
 def test_a_flipped_bit_is_caught_naming_the_file_and_both_checksums(mesh, saved):
     path, _, _ = saved
     shard = os.path.join(path, "__0_0.distcp")
+    items = json.load(open(os.path.join(path, "COMPLETE")))["files"]["__0_0.distcp"]["items"]
+    offset = max(items, key=lambda o: items[o][0])  # the largest item
+    length, crc = items[offset]
     data = bytearray(open(shard, "rb").read())
-    expected = json.load(open(os.path.join(path, "COMPLETE")))["files"]["__0_0.distcp"]
-    data[len(data) // 2] ^= 0x01
+    data[int(offset) + length // 2] ^= 0x01
     open(shard, "wb").write(bytes(data))
-    actual = checkpoint.manifest.checksum(shard)
+    actual = zlib.crc32(bytes(data[int(offset):int(offset) + length]))
+    fresh = model(mesh)
     with pytest.raises(CorruptCheckpointError) as info:
-        checkpoint.load(path, model(mesh))
+        checkpoint.load(path, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
     assert str(info.value) == (
-        f"{path} (rank 0): __0_0.distcp is damaged: the save wrote {expected['bytes']} bytes with CRC-32 "
-        f"{expected['crc32']}, the file has {actual['bytes']} bytes with CRC-32 {actual['crc32']}. Do not load it. "
+        f"{path} (rank 0): __0_0.distcp is damaged: bytes {offset}..{int(offset) + length} (one item) have CRC-32 "
+        f"{actual:08x}, the save wrote {crc}. The model is partly loaded: load a good checkpoint into it. "
         "No complete checkpoint is next to it."
     )
 
@@ -95,8 +100,8 @@ def test_a_truncated_file_is_caught_and_the_previous_checkpoint_is_named(mesh, s
     shard = os.path.join(path, "__0_0.distcp")
     size = os.path.getsize(shard)
     os.truncate(shard, size // 2)
-    with pytest.raises(CorruptCheckpointError, match=rf"__0_0.distcp is damaged: the save wrote {size} bytes .* the file has {size // 2} bytes"
-                       rf".*Complete checkpoints that load would accept: {previous}\."):
+    with pytest.raises(CorruptCheckpointError, match=rf"__0_0.distcp is damaged: the save wrote {size} bytes, the file has {size // 2}\. "
+                       rf"Do not load it\. Complete checkpoints that load would accept: {previous}\.$"):
         checkpoint.load(path, model(mesh))
 
 
