@@ -2,15 +2,16 @@
 
 A shardkit model's ``state_dict()`` holds sharded DTensors under the unsharded model's keys,
 so torch's own tools work on it unchanged: ``torch.distributed.checkpoint`` (DCP) saves each
-rank's shards and loads them back on any number of ranks, and the
-``torch.distributed.checkpoint.state_dict`` helpers (``get_state_dict``, ``set_state_dict``,
-full or sharded) map optimizer state to parameter names. This module adds what a training
+rank's shards and loads them back on any number of ranks. This package adds what a training
 job needs around them:
 
 - ``save`` / ``load``: model, optimizer, step, RNG states and your own extras in one DCP
   checkpoint, written to ``<path>.incomplete`` and renamed to ``<path>`` only once every rank
-  has written its part, with a ``COMPLETE`` marker inside. A save killed halfway leaves the
-  previous checkpoint at ``<path>`` readable; ``load`` refuses a folder without the marker.
+  has written its part, with a ``COMPLETE`` marker (``manifest.py``: sizes and CRC-32s of
+  everything written) inside. ``save(..., async_save=True)`` writes in the background.
+- ``load`` reads nothing that can run code (``trust.py``), checks what it reads against the
+  manifest, and fails only with ``CheckpointError``s that say what is wrong and what would
+  load (``errors.py``); ``latest(root)`` finds the newest complete checkpoint.
 - ``full_state_dict`` / ``load_full_state_dict``: plain full tensors on rank 0 (for
   ``torch.save`` or safetensors), gathered and scattered one parameter at a time, so no rank
   ever holds more than one full parameter beyond its shards.
