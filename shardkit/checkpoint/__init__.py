@@ -52,6 +52,7 @@ __all__ = [
     "IncompleteCheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "ModelMismatchError",
 ]
 _FAILURES = (Exception, CheckpointException)  # torch's CheckpointException is a BaseException
+_in_flight: Future | None = None  # the last asynchronous save
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None, extra: dict | None = None, async_save: bool = False) -> Future | None:
@@ -61,6 +62,9 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     checkpoint published, in the background (``future.result()`` waits, and raises its error)."""
     rank, world = _rank_world()
     staging = path + ".incomplete"
+    global _in_flight
+    if _in_flight is not None:  # one save at a time: the previous asynchronous one finishes first
+        _in_flight.result()
     with _failures(path, rank, "saving"):
         if rank == 0 and os.path.exists(staging):
             shutil.rmtree(staging)  # left by an interrupted save
@@ -88,6 +92,7 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             done.set_exception(exc)
 
     threading.Thread(target=finish, name=f"shardkit-save-{os.path.basename(path)}", daemon=True).start()
+    _in_flight = done
     return done
 
 

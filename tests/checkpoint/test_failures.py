@@ -230,3 +230,11 @@ def test_an_async_save_returns_a_future_and_publishes_when_done(mesh, tmp_path):
     checkpoint.load(path, fresh)
     for a, b in zip(fresh.parameters(), m.parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+def test_a_second_save_waits_for_the_asynchronous_one_before_it(mesh, tmp_path):
+    m, opt = trained(mesh)
+    first = checkpoint.save(str(tmp_path / "a"), m, opt, step=1, async_save=True)
+    checkpoint.save(str(tmp_path / "a"), m, opt, step=2)  # the same path: never two writers
+    assert first.done() and first.exception() is None
+    assert checkpoint.read_marker(str(tmp_path / "a"))["step"] == 2
