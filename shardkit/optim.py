@@ -40,8 +40,8 @@ _ELEMENTWISE = tuple(
 _swapped: dict[int, tuple[list, list]] = {}
 _installed = False
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers looked at once
-# ParamGroups holding gathered data (param_group.py): any optimizer step makes it stale.
-holding_gathered_data: weakref.WeakSet = weakref.WeakSet()
+# Every ParamGroup (param_group.py): any optimizer step makes the data they gathered stale.
+groups: weakref.WeakSet = weakref.WeakSet()
 
 
 def install_once() -> None:
@@ -58,7 +58,7 @@ def install_once() -> None:
 
 def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
-    for group in list(holding_gathered_data):
+    for group in list(groups):
         if group.layout is not None:
             group.layout.gathered_version = None
 

@@ -76,6 +76,7 @@ class ParamGroup:
         self.options = options  # shared with the group's state: the set_* knobs
         # 1-D (FSDP) or 2-D (HSDP: replicate, shard); reshard_after_forward=R: (world / R, R).
         self.meshes = (mesh, post_forward_mesh)
+        self.mesh_size = mesh.size()  # the gradients' default divisor: every rank of the mesh
         if post_forward_mesh is not None:
             for p in params:
                 p.set_post_forward(post_forward_mesh.size(1), post_forward_mesh.get_local_rank(1))
@@ -85,6 +86,7 @@ class ParamGroup:
         self.gathering: list[PendingAllGather] = []  # issued, not yet waited for
         self.reducing: list[PendingReduction] = []  # issued, not yet finished
         optim.install_once()
+        optim.groups.add(self)  # an optimizer step makes gathered data stale
 
     @property
     def world(self) -> int:
@@ -149,7 +151,6 @@ class ParamGroup:
         self.gathering = [collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather)]
         self._drop_post_forward()  # the handles keep them until the all-gather is waited for
         self.storage = Storage.GATHERING
-        optim.holding_gathered_data.add(self)
 
     def needs_all_gather(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -193,16 +194,15 @@ class ParamGroup:
             for p in self.params:
                 p.free_unsharded()
             self.storage = Storage.SHARDED
-            if not self.holds_post_forward:
-                optim.holding_gathered_data.discard(self)
 
     @property
     def holds_post_forward(self) -> bool:
         return self.params[0].post_forward_shard is not None
 
     def _drop_post_forward(self) -> None:
-        for p in self.params:
-            p.post_forward_shard = None
+        if self.holds_post_forward:
+            for p in self.params:
+                p.post_forward_shard = None
 
     def _register_unsharded(self) -> None:
         for p in self.params:
@@ -252,9 +252,9 @@ class ParamGroup:
         return layout.separate
 
     def _reduction(self, bucket: Bucket) -> collectives.Reduction:
-        layout, mesh = self.layout, self.meshes[0]
+        layout = self.layout
         options = self.options
-        how = collectives.Reduction(options.gradient_divide_factor or mesh.size(), custom=options.custom_reduce_scatter)
+        how = collectives.Reduction(options.gradient_divide_factor or self.mesh_size, custom=options.custom_reduce_scatter)
         if options.all_reduce_hook is not None:
             how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP

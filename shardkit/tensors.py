@@ -48,14 +48,20 @@ def on_input_grads(args: tuple, kwargs: dict, callback: Callable[[], None]) -> t
     """``args`` and ``kwargs`` with their tensors that need grad passed through an identity
     autograd Function whose backward calls ``callback``: once the gradients of all of them are
     computed (a module's parameters' gradients are accumulated by then)."""
-    flat, spec = tree_flatten((args, kwargs))
+    if not kwargs and all(type(x) in _LEAVES or isinstance(x, torch.Tensor) for x in args):
+        flat, spec = list(args), None  # the usual call, module(x): no need to flatten
+    else:
+        flat, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not where:
         return args, kwargs
-    outs = _OnInputGrads.apply(callback, *(flat[i] for i in where))
+    outs = _apply(callback, *(flat[i] for i in where))
     for i, out in zip(where, outs):
         flat[i] = out
-    return tree_unflatten(flat, spec)
+    return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+
+
+_LEAVES = {int, float, bool, str, type(None)}  # arguments that hold no tensors
 
 
 class _OnInputGrads(torch.autograd.Function):
@@ -68,3 +74,8 @@ class _OnInputGrads(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.callback()
         return (None, *grads)
+
+
+# ``Function.apply`` minus its Python checks (setup_context, functorch wrappers: neither applies
+# here), once per group per forward.
+_apply = super(torch.autograd.Function, _OnInputGrads).apply

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from shardkit.dtensor.sharded_param import ShardedParam
-from shardkit.dtensor.storage import alloc_storage
 
 
 @dataclass
@@ -38,9 +37,14 @@ class Bucket:
 
     @functools.cached_property
     def all_present(self) -> torch.Tensor:
-        """The grad-presence column when every parameter has a gradient, made once (on the
-        reduce-scatter's stream, the only one that reads it)."""
-        return torch.ones(len(self.params), dtype=self.dtype, device=self.params[0].device)
+        """The grad-presence columns (world, n) when every parameter has a gradient: contiguous,
+        which ``torch._chunk_cat`` copies twice as fast as an expanded row. Read-only, so one
+        per shape is shared by every bucket (made on the reduce-scatter's stream, the only one
+        that reads it)."""
+        key = (self.world, len(self.params), self.dtype, self.params[0].device)
+        if key not in _ONES:
+            _ONES[key] = torch.ones(key[:2], dtype=self.dtype, device=key[3])
+        return _ONES[key]
 
     @functools.cached_property
     def subsets(self) -> dict[tuple[int, ...], "Bucket"]:
@@ -53,6 +57,9 @@ class Bucket:
             numels = [n for p, n in zip(self.params, self.shard_numels) if p in params]
             self.subsets[key] = Bucket(params, self.dtype, self.world, numels)
         return self.subsets[key]
+
+
+_ONES: dict[tuple, torch.Tensor] = {}  # Bucket.all_present, by shape, dtype and device
 
 
 class GatherBucket:
@@ -87,13 +94,13 @@ class GatherBucket:
         (on the compute stream: see the Note in streams.py)."""
         if not self.hooked:
             for p in self.params:
-                alloc_storage(p.unsharded_flat)
+                p.alloc_unsharded_storage()
             return [p.post_forward_shard for p in self.params] if self.post_forward else self._padded_inputs
         inputs, owners, dtypes = [], [], []
         for p in self.params:
             mine = p.all_gather_inputs()
             if p.extension is None:
-                alloc_storage(p.unsharded_flat)
+                p.alloc_unsharded_storage()
             else:
                 p.extension.alloc_outputs(mine, self.world, p.device)
             inputs += mine

@@ -50,6 +50,7 @@ class Comm:
     streams: Streams
     reduce_by_all_reduce: bool  # gloo: all-reduce and keep our chunk (faster there)
     mesh_dim: str  # the mesh dimension's name, for the trace
+    averages: bool = False  # the backend divides by the ranks itself (ReduceOp.AVG): NCCL, and the fake one standing in for it
 
     @classmethod
     def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None, separate: bool = False) -> "Comm":
@@ -62,7 +63,8 @@ class Comm:
         backend = str(dist.get_backend(group))
         if name is None:
             name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
-        return cls(group, dist.get_world_size(group), dist.get_rank(group), streams, backend == "gloo", name)
+        world = dist.get_world_size(group)
+        return cls(group, world, dist.get_rank(group), streams, backend == "gloo", name, backend in ("nccl", "fake") and world > 1)
 
 
 _separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -82,7 +84,9 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> Pend
     ``custom``: the user's ``AllGather`` (``set_custom_all_gather``) allocates and runs it."""
     inputs = bucket.inputs()  # and room for the outputs, on the compute stream (see the Note in streams.py)
     numel = comm.world * bucket.per_rank
-    traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim)
+    traced = None  # (no keyword arguments packed per call unless a trace records)
+    if trace.is_recording():
+        traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "all_gather", name, bucket.dtype, numel, comm.world)
 
     def launch(async_op: bool):
@@ -173,11 +177,19 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     """
     world, n = comm.world, len(bucket.params)
     pre, post = _divide_factors(how.divide_by, bucket.dtype)
+    # fp32 / bf16 over one dim, divided by its ranks: the backend averages (as FSDP2 does), no
+    # division after. HSDP, a user's factor or hook, and fp16 divide themselves.
+    plain = how.custom is None and how.hook is None and how.replicate is None and how.keep_partial is None and how.partial is None
+    op = dist.ReduceOp.SUM
+    if comm.averages and plain and how.divide_by == world and pre == 1:
+        op, post = dist.ReduceOp.AVG, 1
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
     by_all_reduce = comm.reduce_by_all_reduce and how.custom is None
     via = "via all_reduce" if by_all_reduce else ""
-    traced = trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
+    traced = None
+    if trace.is_recording():
+        traced = trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
     def launch(async_op: bool):
@@ -195,7 +207,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
             send = buffer
         else:
             chunk = send.new_empty(bucket.per_rank + n)
-            work = _reduce_scatter_single(chunk, send.view(-1), op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
+            work = _reduce_scatter_single(chunk, send.view(-1), op=op, group=comm.group, async_op=async_op)
         return work, {"input": send, "output": chunk}
 
     handle = comm.streams.issue(Collective("reduce_scatter", name, traced), {"unsharded gradients": grads}, launch)
@@ -210,22 +222,22 @@ def _reduce_scatter_input(bucket: Bucket, grads: list[torch.Tensor | None], miss
     """Copy-in: every gradient (zeros where missing) as ``world`` padded chunks, rank-major,
     then the grad-presence column: ``(world, per_rank + n)``."""
     params, device = bucket.params, bucket.params[0].device
-    present = bucket.all_present  # (n,) ones, made once: no host-to-device copy per step
+    present = bucket.all_present  # (world, n) ones, made once: no host-to-device copy per step
     if missing:
         present = present.clone()
-        present[missing] = 0
+        present[:, missing] = 0
     filled = [
         torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g if g.dtype == bucket.dtype else g.to(bucket.dtype)
         for p, g in zip(params, grads)
     ]
     if bucket.by_rows:
         nonempty = [g for g in filled if g.numel()]  # a (0, 5) parameter has no rows to send
-        return torch._chunk_cat(nonempty + [present.expand(world, -1)], dim=0, num_chunks=world)
+        return torch._chunk_cat([*nonempty, present], dim=0, num_chunks=world)
     send = torch.empty(world, bucket.per_rank + len(params), dtype=bucket.dtype, device=device)
     blocks = send.split([*bucket.shard_numels, len(params)], dim=1)
     for p, g, block in zip(params, filled, blocks):
         p.chunk_grad_into(g, block)  # split along another dim: rearranged per parameter
-    blocks[-1].copy_(present.expand(world, -1))
+    blocks[-1].copy_(present)
     return send
 
 
@@ -267,20 +279,21 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
     if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
         pending.keep_partial[tuple(map(id, bucket.params))] = pending.chunk
         return
-    reduced = pending.chunk[: bucket.per_rank]
+    reduced = pending.chunk.narrow(0, 0, bucket.per_rank)  # the chunk's rows, then the presence counts
     if pending.hook is not None:  # set_all_reduce_hook: the summed chunk, before the division
         call_on(pending.hook[1], pending.hook[0], reduced)
     # After an all-reduce, divide into a new tensor, so that the gradients do not keep every
-    # rank's rows alive; else in place.
-    reduced = reduced / pending.divide_by if pending.chunk_of_all_reduce else reduced.div_(pending.divide_by)
+    # rank's rows alive; else in place (not at all when the collective averaged).
+    if pending.chunk_of_all_reduce:
+        reduced = reduced / pending.divide_by
+    elif pending.divide_by != 1:
+        reduced.div_(pending.divide_by)
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.
     counts = pending.chunk[bucket.per_rank :].tolist() if pending.missing else None
-    offset = 0
-    for i, (p, numel) in enumerate(zip(bucket.params, bucket.shard_numels)):
+    for i, (p, rows) in enumerate(zip(bucket.params, reduced.split_with_sizes(bucket.shard_numels))):
         if counts is None or i not in pending.missing or counts[i] > 0:
-            p.set_sharded_grad(p.local_grad(reduced[offset : offset + numel]))
-        offset += numel
+            p.set_sharded_grad(p.local_grad(rows))
 
 
 def _divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:

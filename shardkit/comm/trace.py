@@ -214,7 +214,10 @@ def label(kind: str, name: str) -> contextlib.AbstractContextManager:
     """A ``torch.profiler`` range ``shardkit::<kind> <group>`` while a profiler runs, else nothing."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(f"shardkit::{kind} {name or '<root>'}")
-    return contextlib.nullcontext()
+    return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()  # reusable
 
 
 def start() -> Trace:

@@ -141,7 +141,8 @@ class ShardedParam:
 
     def local_grad(self, reduced: torch.Tensor) -> torch.Tensor:
         """This rank's real gradient rows from its flat reduced chunk (shard_numel,)."""
-        return self._valid(reduced.view(self.padded_shape))
+        rows = reduced.view(self.padded_shape)
+        return rows if self.local_rows == self.padded_rows else self._valid(rows)
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """The gathered padded shards, rank-major ``(world, shard_numel)``, into the unsharded
@@ -203,6 +204,8 @@ class ShardedParam:
             view = DTensor(view, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
+        # Kept to free and refill it every step without making a storage object each time.
+        self._unsharded_storage, self._unsharded_nbytes = flat.untyped_storage(), flat.numel() * flat.element_size()
         self._flat_storage = flat.untyped_storage()._cdata  # what the unsharded parameter views, unless replaced
         self.unsharded_padded = self.unsharded_flat.view(padded.shape)
         free_storage(self.unsharded_flat)
@@ -230,7 +233,12 @@ class ShardedParam:
         if self.extension is not None:
             self.extension.free()
         else:
-            free_storage(self.unsharded_flat)
+            self._unsharded_storage.resize_(0)
+
+    def alloc_unsharded_storage(self) -> None:
+        """Make room for the all-gather's output again (``free_unsharded`` let it go)."""
+        if self._unsharded_storage.size() != self._unsharded_nbytes:
+            self._unsharded_storage.resize_(self._unsharded_nbytes)
 
     def to_unsharded(self) -> None:
         param = self.unsharded_param

@@ -55,7 +55,7 @@ def persistent_bytes_are_the_shards_grads_and_adamw_state(mesh, impl):
     params = list(model.parameters())
     shards = local_bytes(params)
     assert shards == 424
-    presence = 4 * (2 + 2)  # two groups of two parameters
+    presence = 4 * 2 * 2  # the grad-presence columns: one (world 2) x (2 parameters) buffer, shared by both groups
     tracker = MemTracker().track(model, optimizer)
     with tracker:
         for _ in range(2):  # the second step starts with the optimizer state in place
