@@ -217,8 +217,13 @@ def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, devi
 
 
 def _fsdp_class(cls: type) -> type:
+    # The subclass claims its base's module: dynamo (torch/_dynamo/trace_rules.py, check_verbose)
+    # traces the forward of a torch.nn built-in (nn.TransformerEncoderLayer, nn.Sequential, ...)
+    # as a frame of its own only if the module has hooks and type(module).__module__ starts
+    # with "torch.nn." -- without this, torch.compile after fully_shard compiles nothing of it.
     if cls not in _fsdp_classes:
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+        namespace = {"__deepcopy__": _no_deepcopy, "__module__": cls.__module__}
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
     return _fsdp_classes[cls]
 
 
