@@ -17,9 +17,10 @@ where this rank produced a gradient, else 0. After the sum it tells every rank w
 rank used the parameter, so a parameter unused on every rank keeps ``.grad = None`` (as in
 a single process), while one unused on some ranks only is reduced with zeros there.
 
-On gloo the reduce-scatter is an all-reduce of the same buffer, of which each rank keeps its
-chunk: gloo's all-reduce is about twice as fast as its reduce-scatter for 1-12 MiB on 2
-ranks (measured; see docs/design.md), although it moves twice the bytes. The trace says so.
+gloo's reduce-scatter is slow (docs/design.md), so on gloo the reduce-scatter is an
+all-to-all of the same buffer (the same bytes on the wire) and each rank sums the ``world``
+copies of its chunk it received; HSDP's all-reduce an all-reduce of the buffer, of which each
+rank keeps its chunk (twice the bytes). The trace says which ("via all_to_all").
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class PendingReduction:
     keep_partial: dict | None  # see Reduction
     chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
     hook: tuple | None = None  # see Reduction
+    rows_to_sum: bool = False  # ``chunk`` is (world, per_rank + n): every rank's rows for this rank (gloo)
 
 
 def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, how: Reduction) -> PendingReduction:
@@ -185,8 +187,11 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         op, post = dist.ReduceOp.AVG, 1
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
-    by_all_reduce = comm.reduce_by_all_reduce and how.custom is None
-    via = "via all_reduce" if by_all_reduce else ""
+    # gloo: its reduce_scatter is slow; over one dim an all-to-all (the same bytes) and the sum
+    # here, for HSDP an all-reduce (twice the bytes). See docs/design.md.
+    by_all_to_all = comm.reduce_by_all_reduce and plain
+    by_all_reduce = comm.reduce_by_all_reduce and how.custom is None and not by_all_to_all
+    via = "via all_to_all" if by_all_to_all else "via all_reduce" if by_all_reduce else ""
     traced = None
     if trace.is_recording():
         traced = trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
@@ -196,7 +201,10 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         send = _reduce_scatter_input(bucket, grads, missing, world)  # (world, per_rank + n)
         if pre != 1:
             send.div_(pre)  # the presence column too: it only has to stay above zero
-        if by_all_reduce:
+        if by_all_to_all:  # row r of ``chunk``: rank r's rows for this rank, summed by finish_reduce_scatter
+            chunk = torch.empty_like(send)  # (world, per_rank + n)
+            work = dist.all_to_all_single(chunk, send, group=comm.group, async_op=async_op)
+        elif by_all_reduce:
             work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
             chunk = send[comm.rank]  # (per_rank + n,)
         elif how.custom is not None:  # the user's buffers and collective
@@ -215,7 +223,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     handles = [handle]
     if how.partial is not None or how.replicate is not None:
         handles.append(_over_replicas(handle, chunk, comm.streams, name, how))
-    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, by_all_reduce, how.hook)
+    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, by_all_reduce, how.hook, by_all_to_all)
 
 
 def _reduce_scatter_input(bucket: Bucket, grads: list[torch.Tensor | None], missing: list[int], world: int) -> torch.Tensor:
@@ -279,7 +287,17 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
     if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
         pending.keep_partial[tuple(map(id, bucket.params))] = pending.chunk
         return
-    reduced = pending.chunk.narrow(0, 0, bucket.per_rank)  # the chunk's rows, then the presence counts
+    # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
+    # GPU) only when this rank lacks one. Under a fake process group they are garbage.
+    per_rank, n, chunk, counts = bucket.per_rank, len(bucket.params), pending.chunk, None
+    if pending.rows_to_sum:  # (world, per_rank + n): every rank's rows for this rank
+        reduced = chunk.narrow(1, 0, per_rank).sum(0)
+        if pending.missing:
+            counts = chunk.narrow(1, per_rank, n).sum(0).tolist()
+    else:  # (per_rank + n,): the reduced rows, then the presence counts
+        reduced = chunk.narrow(0, 0, per_rank)
+        if pending.missing:
+            counts = chunk.narrow(0, per_rank, n).tolist()
     if pending.hook is not None:  # set_all_reduce_hook: the summed chunk, before the division
         call_on(pending.hook[1], pending.hook[0], reduced)
     # After an all-reduce, divide into a new tensor, so that the gradients do not keep every
@@ -288,9 +306,6 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
         reduced = reduced / pending.divide_by
     elif pending.divide_by != 1:
         reduced.div_(pending.divide_by)
-    # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
-    # GPU) only when this rank lacks one. Under a fake process group they are garbage.
-    counts = pending.chunk[bucket.per_rank :].tolist() if pending.missing else None
     for i, (p, rows) in enumerate(zip(bucket.params, reduced.split_with_sizes(bucket.shard_numels))):
         if counts is None or i not in pending.missing or counts[i] > 0:
             p.set_sharded_grad(p.local_grad(rows))

@@ -82,7 +82,7 @@ class CollectiveStats:
     calls: int = 0
     nbytes: int = 0  # unsharded-side buffer bytes, summed
     wire_nbytes: int = 0  # bytes each rank sends: (world - 1) / world of the buffer, twice that
-    # for an all-reduce (and for a reduce-scatter done as one, "via all_reduce", on gloo)
+    # for an all-reduce (and for a reduce-scatter done as one, "via all_reduce", HSDP on gloo)
     exposed_ns: int = 0  # time hooks spent waiting for these collectives (not hidden by compute)
 
 

@@ -33,6 +33,8 @@ def reset_from_registered(p: "ShardedParam") -> None:
         padded = local.new_empty(p.padded_shape)
     elif _backs(p.padded_shard, local):
         padded = p.padded_shard  # nothing moved
+    elif type(local) is torch.Tensor and local.shape == p.padded_shape and local.is_contiguous():
+        padded = local  # no padding to add: keep the new tensor (to_empty's pages stay untouched)
     else:
         padded = local.new_zeros(p.padded_shape)
         with torch.no_grad():

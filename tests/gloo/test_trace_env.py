@@ -60,5 +60,5 @@ def test_python_m_shardkit_timeline_merges_both_ranks(traced_run):
         assert kinds["all_gather"] == len(re.findall(r" ms  all_gather ", text)) == 14
         assert kinds["reduce_scatter"] == 8 and kinds["phase"] == 2 * 2 * len(GROUPS)
         assert {e["args"]["group"] for e in slices if e["cat"] == "all_gather"} == GROUPS
-        assert all(e["args"]["note"] == "via all_reduce" for e in slices if e["cat"] == "reduce_scatter")
+        assert all(e["args"]["note"] == "via all_to_all" for e in slices if e["cat"] == "reduce_scatter")
         assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in slices)
