@@ -7,10 +7,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # Test-only: what users combine with FSDP (float8 / NF4 weights); never imported by shardkit.
 TEST_DEPS ?= torchao==0.18.0
+# Bench-only: the plot of benchmarks/scaling.py (make bench ARGS=--scaling); the tests never need it.
+# The same pin as pyproject.toml's `bench` extra.
+BENCH_DEPS ?= matplotlib==3.10.9
 # Extra flags for demo/train.py, e.g. make demo ARGS="--steps 100".
 ARGS ?=
 
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: venv demo bench test test-sim gpu-check accept clean distclean
 
@@ -32,8 +36,14 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 demo/train.py $(ARGS)
 
 # shardkit next to FSDP2, DDP and a local model on 2 CPU ranks; make bench ARGS=--quick for a short run.
-bench: $(STAMP)
+# make bench ARGS=--scaling: how the cost grows with the world and the model (benchmarks/scaling.py).
+bench: $(STAMP) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/bench.py $(ARGS)
+
+# Its own stamp, so that `make test` and the test venv never pull in the plotting library.
+$(BENCH_STAMP): $(STAMP)
+	$(VENV)/bin/pip install "$(BENCH_DEPS)"
+	touch $@
 
 # Every test, then the fake-process-group and gloo parity tiers once more with SHARDKIT_STREAMS=sim:
 # shardkit takes its CUDA path on simulated streams, and every tensor access is checked for

@@ -20,8 +20,15 @@ How to read it: a ratio below 1 means shardkit is faster; a spread (min..max) th
 the other implementation's median means the difference is within this machine's noise.
 
 Part 2, hook overhead: in this process on the fake process group (world 8, collectives return
-at once and move nothing), a stack of tiny Linear blocks, one group each, forward + backward.
-What is left over the plain model is the per-group cost of hooks, copies and bookkeeping.
+at once and move nothing), a stack of tiny Linear blocks, one group each: a training step
+(forward, backward, AdamW foreach step, zero_grad). What is left over the plain model is the
+per-group cost of hooks, copies and bookkeeping. The "floor" row is what any eager FSDP must
+pay, written out in this file with no hooks and no DTensor (class Floor): the plain step plus,
+per block, the copy-in, all-gather and copy-out twice (forward, and again for backward) and
+the padded gradient copy-in and reduce-scatter. shardkit/floor is the runtime's own cost.
+
+    --compile   part 1 again with every block torch.compile'd, side by side with eager
+    --scaling   how the cost grows with the world and the block count (benchmarks/scaling.py)
 """
 
 from __future__ import annotations
@@ -62,15 +69,15 @@ MEMORY_STEPS = 3
 MiB = 1024 * 1024
 # Flags left unset take their value from the preset: the default run, or --quick.
 PRESETS = {
-    "full": dict(layers=6, dim=192, heads=6, rounds=5, steps=8, overhead_blocks=48, overhead_steps=30),
-    "quick": dict(layers=4, dim=128, heads=4, rounds=3, steps=4, overhead_blocks=16, overhead_steps=15),
+    "full": dict(layers=6, dim=192, heads=6, rounds=5, steps=8, overhead_blocks=48, overhead_rounds=15),
+    "quick": dict(layers=4, dim=128, heads=4, rounds=3, steps=4, overhead_blocks=16, overhead_rounds=5),
 }
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small run, under a minute on 2 cores")
-    for name in ("layers", "dim", "heads", "rounds", "steps", "overhead-blocks", "overhead-steps"):
+    for name in ("layers", "dim", "heads", "rounds", "steps", "overhead-blocks", "overhead-rounds"):
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
@@ -80,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number here")
     parser.add_argument("--float8", action="store_true", help="the blocks' Linear layers as torchao float8 (1-byte all-gathers); needs torchao")
+    parser.add_argument("--compile", action="store_true", help="run part 1 twice, eager and with every block torch.compile'd (inductor), side by side")
+    parser.add_argument("--scaling", action="store_true", help="how the cost grows with the world and the model instead (benchmarks/scaling.py)")
     parser.add_argument("--only-overhead", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
@@ -130,8 +139,20 @@ def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
         "ddp": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
         "local": base,
     }
+    if args.compile:
+        for model in models.values():
+            compile_blocks(model)
     foreach = {"auto": None, "on": True, "off": False}[args.foreach]
     return {name: Impl(name, m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=foreach)) for name, m in models.items()}
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """--compile: torch.compile each block in place (after fully_shard for shardkit and FSDP2),
+    the same compiled regions for every implementation; hooks and the root's own layers stay
+    eager (docs/usage.md, "torch.compile"). The warm-up steps absorb the compile time."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    for i, block in enumerate(inner.blocks):
+        inner.blocks[i] = torch.compile(block)
 
 
 def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +350,8 @@ def spread(values: list[float]) -> str:
 
 def print_distributed(console: Console, result: dict) -> None:
     c = result["config"]
-    table = Table(title=f"GPT {c['layers']}x{c['dim']} (heads {c['heads']}), {result['world']} gloo ranks, "
+    compiled = ", blocks torch.compile'd" if c.get("compile") else ""
+    table = Table(title=f"GPT {c['layers']}x{c['dim']} (heads {c['heads']}){compiled}, {result['world']} gloo ranks, "
                         f"batch {c['batch']}x{c['seq']} per rank, {c['rounds']} rounds x {c['steps']} steps")
     for header in ("impl", "step ms\n(min..max rounds)", "tokens/s\n(global)", "peak RSS MiB\n(+ over start)",
                    "all-gather\n/step", "reduce-scatter\n/step", "all-reduce\n/step", "sent MiB\n/rank/step",
@@ -350,7 +372,7 @@ def print_distributed(console: Console, result: dict) -> None:
                   "Peak RSS: all four models share each process, so it includes the others' memory (same baseline).\n"
                   "param+grad+optim: what the optimizer sees; DDP also keeps its gradient buckets (1x parameters).\n"
                   "sent: bytes each rank puts on the wire (ring algorithms). On gloo shardkit reduce-scatters with an\n"
-                  "all-reduce (faster there, see docs/design.md), which sends twice the reduce-scatter minimum.\n"
+                  "all-to-all and a local sum (faster there, the same bytes; see docs/design.md).\n"
                   f"FSDP2 called: {', '.join(result['impls']['fsdp2']['torch_functions_called']) or 'nothing counted'}")
     losses = {name: r["last_loss"] for name, r in result["impls"].items()}
     console.print("last-step loss (mean over ranks): " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
@@ -378,18 +400,70 @@ def tiny_stack(blocks: int, dim: int) -> nn.Sequential:
     return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(blocks)))
 
 
-def overhead_step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
+# torch 2.13 deprecates the *_tensor names for these
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Floor:
+    """What any eager FSDP must pay, written out with no hooks and no DTensor: the plain step
+    (its parameters stay whole) plus, per block, the copies and collectives of a sharded one.
+    Forward: copy the block's shards into one flat buffer, all-gather it, copy the result out
+    into the parameters. Backward: the same all-gather again (parameters resharded after
+    forward), then the gradients copied into one padded flat buffer and reduce-scattered.
+    The fake process group moves nothing, so only the calls and the copies cost."""
+
+    def __init__(self, model: nn.Sequential, world: int) -> None:
+        self.model, self.world = model, world
+        self.blocks = []
+        for block in model:
+            params = list(block.parameters())
+            shards = [-(-p.numel() // world) for p in params]  # ceil: padded shard sizes
+            self.blocks.append((params, shards, [torch.zeros(s) for s in shards]))
+
+    def all_gather(self, params: list, shards: list, local: list) -> None:
+        flat = torch.empty(sum(shards))
+        torch._foreach_copy_(list(flat.split(shards)), local)  # copy-in
+        out = torch.empty(flat.numel() * self.world)
+        ALL_GATHER(out, flat)
+        views = out.view(self.world, -1).split(shards, dim=1)  # copy-out, un-padding
+        with torch.no_grad():
+            for p, v in zip(params, views):
+                p.view(-1).copy_(v.reshape(-1)[: p.numel()])
+
+    def reduce_scatter(self, params: list, shards: list) -> None:
+        grads = [p.grad.view(-1) for p in params]
+        flat = torch._chunk_cat(grads, dim=0, num_chunks=self.world)  # padded copy-in
+        out = torch.empty(sum(shards))
+        REDUCE_SCATTER(out, flat.view(-1))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for block, gathered in zip(self.model, self.blocks):
+            self.all_gather(*gathered)
+            x = block(x)
+        return x
+
+    def after_backward(self) -> None:
+        for params, shards, local in reversed(self.blocks):
+            self.all_gather(params, shards, local)
+            self.reduce_scatter(params, shards)
+
+
+def overhead_step_ms(model, optimizer: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        model.zero_grad(set_to_none=True)
         model(x).sum().backward()
+        if isinstance(model, Floor):
+            model.after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         times.append((time.perf_counter() - start) * 1000)
     return times
 
 
 def run_overhead(args: argparse.Namespace) -> dict:
-    """Forward + backward of tiny blocks on the fake process group: the per-group runtime cost."""
+    """A training step of tiny blocks on the fake process group: the per-group runtime cost."""
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # the fake all-gather leaves buffers unwritten: keep junk floats cheap
     world = 8
@@ -397,27 +471,33 @@ def run_overhead(args: argparse.Namespace) -> dict:
     try:
         mesh = init_device_mesh("cpu", (world,))
         models = {"plain": tiny_stack(args.overhead_blocks, args.overhead_dim)}
+        models["floor"] = Floor(tiny_stack(args.overhead_blocks, args.overhead_dim), world)
         for name, shard in (("shardkit", shardkit.fully_shard), ("fsdp2", torch_fully_shard)):
             model = tiny_stack(args.overhead_blocks, args.overhead_dim)
             for block in model:
                 shard(block, mesh=mesh)
             models[name] = shard(model, mesh=mesh)
+        params = {name: (m.model if isinstance(m, Floor) else m).parameters() for name, m in models.items()}
+        optimizers = {name: torch.optim.AdamW(p, lr=1e-3, foreach=True) for name, p in params.items()}
         x = torch.randn(8, args.overhead_dim)  # (batch, dim)
-        times = {name: [] for name in models}
-        for model in models.values():
-            overhead_step_ms(model, x, 5)  # warm-up
-        for _ in range(3):  # three interleaved rounds, so drift hits every model alike
+        rounds = {name: [] for name in models}  # per round, the median of its steps
+        for name, model in models.items():
+            overhead_step_ms(model, optimizers[name], x, 5)  # warm-up
+        for _ in range(args.overhead_rounds):  # short interleaved rounds: drift hits every model alike
             for name, model in models.items():
-                times[name] += overhead_step_ms(model, x, args.overhead_steps // 3)
-        del models, model
+                rounds[name].append(statistics.median(overhead_step_ms(model, optimizers[name], x, 5)))
+        del models, model, optimizers, params
         gc.collect()
     finally:
         dist.destroy_process_group()
-    ms = {name: statistics.median(t) for name, t in times.items()}
-    ratios = {"shardkit/plain": ms["shardkit"] / ms["plain"], "fsdp2/plain": ms["fsdp2"] / ms["plain"],
-              "shardkit/fsdp2": ms["shardkit"] / ms["fsdp2"]}
+    ms = {name: statistics.median(t) for name, t in rounds.items()}
+    ratios = {}  # paired per round, then the median: this shared machine's speed drifts within seconds
+    for a, b in (("shardkit", "floor"), ("shardkit", "fsdp2"), ("floor", "plain"), ("fsdp2", "floor")):
+        per_round = [x / y for x, y in zip(rounds[a], rounds[b])]
+        ratios[f"{a}/{b}"] = statistics.median(per_round)
+        ratios[f"{a}/{b} spread"] = (min(per_round), max(per_round))
     return {"world": world, "blocks": args.overhead_blocks, "dim": args.overhead_dim,
-            "step_ms": ms, "step_ms_all": times, "ratios": ratios}
+            "step_ms": ms, "step_ms_per_round": rounds, "ratios": ratios}
 
 
 def print_overhead(console: Console, result: dict) -> None:
@@ -430,17 +510,41 @@ def print_overhead(console: Console, result: dict) -> None:
         per_group = "-" if name == "plain" else f"{(ms - plain) * 1000 / (result['blocks'] + 1):.0f}"
         table.add_row(name, f"{ms:.2f}", per_group)
     console.print(table)
-    console.print(f"{result['blocks']} blocks of Linear({result['dim']}, {result['dim']}) + ReLU, one group each, plus the root.")
-    console.print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+    console.print(f"{result['blocks']} blocks of Linear({result['dim']}, {result['dim']}) + ReLU, one group each, plus the root; "
+                  "a step is forward, backward, AdamW (foreach) step, zero_grad.\n"
+                  "floor: the plain step plus, per block, the copies and collectives of a sharded one, no hooks (class Floor).")
+    ratios = result["ratios"]
+    console.print("ratios (median of paired per-round ratios, min..max): " + ", ".join(
+        f"{k} {v:.2f} ({spread(ratios[k + ' spread'])})" for k, v in ratios.items() if not k.endswith("spread")))
+
+
+def print_compiled(console: Console, eager: dict, compiled: dict) -> None:
+    table = Table(title="--compile: step ms, eager and with the blocks compiled (same run)")
+    for header in ("impl", "eager", "compiled", "compiled / eager"):
+        table.add_column(header, justify="right")
+    for name in IMPLS:
+        a, b = eager["impls"][name]["step_ms"], compiled["impls"][name]["step_ms"]
+        table.add_row(name, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}")
+    console.print(table)
+    console.print("compiled ratios: " + ", ".join(f"{k} {v['median']:.2f}" for k, v in compiled["ratios"].items()))
 
 
 def main() -> int:
     args = parse_args()
+    if args.scaling:
+        import scaling  # benchmarks/scaling.py, next to this file
+
+        return scaling.main([a for a in sys.argv[1:] if a != "--scaling"])
     console = make_console()
     start = time.perf_counter()
     results = {}
     if not args.only_overhead:
+        compile_too, args.compile = args.compile, False
         results["distributed"] = run_distributed(args)  # the ranks print their table
+        if compile_too:
+            args.compile = True
+            results["compiled"] = run_distributed(args)
+            print_compiled(console, results["distributed"], results["compiled"])
     if not args.skip_overhead:
         results["overhead"] = run_overhead(args)  # after the ranks have exited: no gloo group here
         print_overhead(console, results["overhead"])

@@ -46,6 +46,28 @@ class Bucket:
             _ONES[key] = torch.ones(key[:2], dtype=self.dtype, device=key[3])
         return _ONES[key]
 
+    def reduce_scatter_input(self, grads: list[torch.Tensor | None], missing: list[int]) -> torch.Tensor:
+        """Copy-in: every gradient (zeros where missing) as ``world`` padded chunks, rank-major,
+        then the grad-presence columns: ``(world, per_rank + n)``."""
+        params, device, world = self.params, self.params[0].device, self.world
+        present = self.all_present  # (world, n) ones, made once: no host-to-device copy per step
+        if missing:
+            present = present.clone()
+            present[:, missing] = 0
+        filled = [
+            torch.zeros(p.shape, dtype=self.dtype, device=device) if g is None else g if g.dtype == self.dtype else g.to(self.dtype)
+            for p, g in zip(params, grads)
+        ]
+        if self.by_rows:
+            nonempty = [g for g in filled if g.numel()]  # a (0, 5) parameter has no rows to send
+            return torch._chunk_cat([*nonempty, present], dim=0, num_chunks=world)
+        send = torch.empty(world, self.per_rank + len(params), dtype=self.dtype, device=device)
+        blocks = send.split([*self.shard_numels, len(params)], dim=1)
+        for p, g, block in zip(params, filled, blocks):
+            p.chunk_grad_into(g, block)  # split along another dim: rearranged per parameter
+        blocks[-1].copy_(present)
+        return send
+
     @functools.cached_property
     def subsets(self) -> dict[tuple[int, ...], "Bucket"]:
         return {}

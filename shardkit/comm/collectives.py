@@ -17,10 +17,8 @@ where this rank produced a gradient, else 0. After the sum it tells every rank w
 rank used the parameter, so a parameter unused on every rank keeps ``.grad = None`` (as in
 a single process), while one unused on some ranks only is reduced with zeros there.
 
-gloo's reduce-scatter is slow (docs/design.md), so on gloo the reduce-scatter is an
-all-to-all of the same buffer (the same bytes on the wire) and each rank sums the ``world``
-copies of its chunk it received; HSDP's all-reduce an all-reduce of the buffer, of which each
-rank keeps its chunk (twice the bytes). The trace says which ("via all_to_all").
+On gloo (whose reduce-scatter is slow, docs/design.md) it is an all-to-all of the buffer and
+a sum of the received chunks ("via all_to_all" in the trace).
 """
 
 from __future__ import annotations
@@ -179,16 +177,14 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     """
     world, n = comm.world, len(bucket.params)
     pre, post = _divide_factors(how.divide_by, bucket.dtype)
-    # fp32 / bf16 over one dim, divided by its ranks: the backend averages (as FSDP2 does), no
-    # division after. HSDP, a user's factor or hook, and fp16 divide themselves.
     plain = how.custom is None and how.hook is None and how.replicate is None and how.keep_partial is None and how.partial is None
     op = dist.ReduceOp.SUM
-    if comm.averages and plain and how.divide_by == world and pre == 1:
-        op, post = dist.ReduceOp.AVG, 1
+    if comm.averages and plain and how.divide_by == world and pre == 1:  # fp32/bf16 over one dim:
+        op, post = dist.ReduceOp.AVG, 1  # the backend averages (as FSDP2), no division after
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
-    # gloo: its reduce_scatter is slow; over one dim an all-to-all (the same bytes) and the sum
-    # here, for HSDP an all-reduce (twice the bytes). See docs/design.md.
+    # gloo's reduce_scatter is slow: over one dim an all-to-all (the same bytes) and the sum
+    # here; else (HSDP, hooks) an all-reduce (twice the bytes). See docs/design.md.
     by_all_to_all = comm.reduce_by_all_reduce and plain
     by_all_reduce = comm.reduce_by_all_reduce and how.custom is None and not by_all_to_all
     via = "via all_to_all" if by_all_to_all else "via all_reduce" if by_all_reduce else ""
@@ -198,7 +194,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
     def launch(async_op: bool):
-        send = _reduce_scatter_input(bucket, grads, missing, world)  # (world, per_rank + n)
+        send = bucket.reduce_scatter_input(grads, missing)  # (world, per_rank + n)
         if pre != 1:
             send.div_(pre)  # the presence column too: it only has to stay above zero
         if by_all_to_all:  # row r of ``chunk``: rank r's rows for this rank, summed by finish_reduce_scatter
@@ -207,12 +203,8 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         elif by_all_reduce:
             work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
             chunk = send[comm.rank]  # (per_rank + n,)
-        elif how.custom is not None:  # the user's buffers and collective
-            buffer = how.custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
-            buffer.copy_(send.view(-1))
-            chunk = how.custom.allocate((bucket.per_rank + n,), dtype=send.dtype, device=send.device)
-            work = how.custom(output_tensor=chunk, input_tensor=buffer, group=comm.group, op=dist.ReduceOp.SUM, async_op=async_op)
-            send = buffer
+        elif how.custom is not None:
+            work, chunk, send = _custom_reduce_scatter(how.custom, send, bucket.per_rank + n, comm.group, async_op)
         else:
             chunk = send.new_empty(bucket.per_rank + n)
             work = _reduce_scatter_single(chunk, send.view(-1), op=op, group=comm.group, async_op=async_op)
@@ -226,27 +218,13 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, by_all_reduce, how.hook, by_all_to_all)
 
 
-def _reduce_scatter_input(bucket: Bucket, grads: list[torch.Tensor | None], missing: list[int], world: int) -> torch.Tensor:
-    """Copy-in: every gradient (zeros where missing) as ``world`` padded chunks, rank-major,
-    then the grad-presence column: ``(world, per_rank + n)``."""
-    params, device = bucket.params, bucket.params[0].device
-    present = bucket.all_present  # (world, n) ones, made once: no host-to-device copy per step
-    if missing:
-        present = present.clone()
-        present[:, missing] = 0
-    filled = [
-        torch.zeros(p.shape, dtype=bucket.dtype, device=device) if g is None else g if g.dtype == bucket.dtype else g.to(bucket.dtype)
-        for p, g in zip(params, grads)
-    ]
-    if bucket.by_rows:
-        nonempty = [g for g in filled if g.numel()]  # a (0, 5) parameter has no rows to send
-        return torch._chunk_cat([*nonempty, present], dim=0, num_chunks=world)
-    send = torch.empty(world, bucket.per_rank + len(params), dtype=bucket.dtype, device=device)
-    blocks = send.split([*bucket.shard_numels, len(params)], dim=1)
-    for p, g, block in zip(params, filled, blocks):
-        p.chunk_grad_into(g, block)  # split along another dim: rearranged per parameter
-    blocks[-1].copy_(present)
-    return send
+def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, async_op: bool):
+    """``set_custom_reduce_scatter``: the user's buffers and collective; (work, chunk, input)."""
+    buffer = custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
+    buffer.copy_(send.view(-1))
+    chunk = custom.allocate((chunk_numel,), dtype=send.dtype, device=send.device)
+    work = custom(output_tensor=chunk, input_tensor=buffer, group=group, op=dist.ReduceOp.SUM, async_op=async_op)
+    return work, chunk, buffer
 
 
 def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: str, how: Reduction) -> Handle:
