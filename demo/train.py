@@ -179,7 +179,7 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
 def print_report(console: Console, rows: list[dict], result: TrainResult, first: float, last: float) -> None:
     table = Table(title=f"shardkit: {result.steps} steps in {result.seconds:.1f} s",
                   caption="collective MiB: the unsharded-side buffer; each rank sends (world - 1) / world of it "
-                          "(twice that for the reduce-scatter on gloo, run as an all-reduce); "
+                          "(on gloo the reduce-scatter runs as an all-to-all and a local sum: the same bytes); "
                           "waited on comm: time a hook blocked on a collective that compute did not hide")
     for header in ["rank", "sharded\nparams", "all-\ngather\nper step", "reduce-\nscatter\nper step",
                    "waited on\ncomm\nper step", "peak\nRSS", "first\nloss", "last\nloss"]:

@@ -36,7 +36,7 @@ def test_shardkit_trace_env_writes_each_ranks_text_and_json(traced_run):
         lines = (traced_run / f"rank{rank}.txt").read_text().splitlines()
         collectives = Counter(re.search(r" ms  (\w+) ", line)[1] for line in lines if " mesh=dp" in line)
         # 2 steps; step 1: the root and 3 blocks forward, 3 blocks again in backward; then one
-        # reduce-scatter per group (run as an all-reduce on gloo)
+        # reduce-scatter per group (run as an all-to-all on gloo)
         assert collectives == {"all_gather": 14, "reduce_scatter": 8}, lines
         assert all(re.search(r"\(in flight [\d.]+ ms, waited [\d.]+ ms\)$", line) for line in lines if " mesh=dp" in line)
 
