@@ -47,7 +47,7 @@ class Comm:
     world: int
     rank: int  # this rank's index in ``group``
     streams: Streams
-    reduce_by_all_reduce: bool  # gloo: all-reduce and keep our chunk (faster there)
+    gloo: bool  # its reduce_scatter is slow: reductions go another way (see reduce_scatter)
     mesh_dim: str  # the mesh dimension's name, for the trace
     averages: bool = False  # the backend divides by the ranks itself (ReduceOp.AVG): NCCL, and the fake one standing in for it
 
@@ -161,9 +161,9 @@ class PendingReduction:
     missing: list[int]  # indices of the parameters this rank has no gradient for
     divide_by: float  # after the reduction
     keep_partial: dict | None  # see Reduction
-    chunk_of_all_reduce: bool  # ``chunk`` is a row of the whole all-reduce buffer
+    via: str  # "": ``chunk`` is the reduced chunk; "all_reduce": a row of the whole all-reduce buffer;
+    # "all_to_all": (world, per_rank + n), every rank's rows for this rank, to sum (gloo)
     hook: tuple | None = None  # see Reduction
-    rows_to_sum: bool = False  # ``chunk`` is (world, per_rank + n): every rank's rows for this rank (gloo)
 
 
 def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, how: Reduction) -> PendingReduction:
@@ -185,12 +185,12 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     numel = world * (bucket.per_rank + n)
     # gloo's reduce_scatter is slow: over one dim an all-to-all (the same bytes) and the sum
     # here; else (HSDP, hooks) an all-reduce (twice the bytes). See docs/design.md.
-    by_all_to_all = comm.reduce_by_all_reduce and plain
-    by_all_reduce = comm.reduce_by_all_reduce and how.custom is None and not by_all_to_all
-    via = "via all_to_all" if by_all_to_all else "via all_reduce" if by_all_reduce else ""
+    by_all_to_all = comm.gloo and plain
+    by_all_reduce = comm.gloo and how.custom is None and not by_all_to_all
+    via = "all_to_all" if by_all_to_all else "all_reduce" if by_all_reduce else ""
     traced = None
     if trace.is_recording():
-        traced = trace.record("reduce_scatter", name, via, dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
+        traced = trace.record("reduce_scatter", name, f"via {via}" if via else "", dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
     def launch(async_op: bool):
@@ -215,7 +215,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     handles = [handle]
     if how.partial is not None or how.replicate is not None:
         handles.append(_over_replicas(handle, chunk, comm.streams, name, how))
-    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, by_all_reduce, how.hook, by_all_to_all)
+    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, via, how.hook)
 
 
 def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, async_op: bool):
@@ -268,7 +268,7 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.
     per_rank, n, chunk, counts = bucket.per_rank, len(bucket.params), pending.chunk, None
-    if pending.rows_to_sum:  # (world, per_rank + n): every rank's rows for this rank
+    if pending.via == "all_to_all":  # (world, per_rank + n): every rank's rows for this rank
         reduced = chunk.narrow(1, 0, per_rank).sum(0)
         if pending.missing:
             counts = chunk.narrow(1, per_rank, n).sum(0).tolist()
@@ -280,7 +280,7 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
         call_on(pending.hook[1], pending.hook[0], reduced)
     # After an all-reduce, divide into a new tensor, so that the gradients do not keep every
     # rank's rows alive; else in place (not at all when the collective averaged).
-    if pending.chunk_of_all_reduce:
+    if pending.via == "all_reduce":
         reduced = reduced / pending.divide_by
     elif pending.divide_by != 1:
         reduced.div_(pending.divide_by)

@@ -291,3 +291,38 @@ def test_set_lockstep_after_the_first_forward_switches_the_schedule_between_step
     assert len(locked.collectives("all_gather")) == len(free.collectives("all_gather")) == 7
     assert calls(locked, "all_gather") == calls(free, "all_gather")
     assert calls(t, "reduce_scatter") == {"": 1, "blocks.0": 1, "blocks.1": 1, "blocks.2": 1}
+
+
+def reduce_ops_and_divisions(net: nn.Module, monkeypatch, build_step) -> tuple[set, set]:
+    """The ReduceOps the reduce-scatters were issued with, and the divisors applied after them."""
+    ops, divisors = set(), set()
+    original = collectives._reduce_scatter_single
+
+    def recording(output, input, op, **kwargs):
+        ops.add(op)
+        return original(output, input, op=op, **kwargs)
+
+    monkeypatch.setattr(collectives, "_reduce_scatter_single", recording)
+    real_finish = collectives.finish_reduce_scatter
+
+    def finish(pending, keep=True):
+        divisors.add(pending.divide_by)
+        return real_finish(pending, keep)
+
+    monkeypatch.setattr(collectives, "finish_reduce_scatter", finish)
+    build_step(net)
+    return ops, divisors
+
+
+def test_fp32_over_one_dim_averages_in_the_collective_and_divides_nothing_after(mesh8, monkeypatch):
+    ops, divisors = reduce_ops_and_divisions(sharded(mesh8), monkeypatch, first_step)
+    assert (ops, divisors) == ({torch.distributed.ReduceOp.AVG}, {1})
+
+
+def test_a_user_divide_factor_sums_and_divides_after(mesh8, monkeypatch):
+    net = sharded(mesh8)
+    for module in net.modules():
+        if isinstance(module, FSDPModule):  # each group's own setting
+            module.set_gradient_divide_factor(4.0)
+    ops, divisors = reduce_ops_and_divisions(net, monkeypatch, first_step)
+    assert (ops, divisors) == ({torch.distributed.ReduceOp.SUM}, {4.0})
