@@ -115,7 +115,10 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for FSDP2 compatibility: shardkit always reduces with SUM and divides after."""
+        """``True``: this group's reductions use ``ReduceOp.SUM`` only and divide after (NCCL's
+        zero-copy transfers need SUM), where they would average in the collective
+        (``ReduceOp.AVG``: fp32/bf16 over one mesh dim on NCCL). Not recursive, as FSDP2."""
+        self._shardkit().options.force_sum_reduction = enable
 
     def set_post_optim_event(self, event: Any) -> None:
         """The next forward's all-gathers wait for ``event`` (recorded after the optimizer

@@ -31,6 +31,7 @@ class GroupOptions:
     custom_all_gather: Any = None  # FSDP2's AllGather protocol: allocate(...) and __call__(out, in, group, async_op)
     custom_reduce_scatter: Any = None  # ReduceScatter: allocate(...) and __call__(out, in, group, op, async_op)
     separate_reduce_scatter: bool = False  # reduce-scatters on a process group of their own
+    force_sum_reduction: bool = False  # set_force_sum_reduction_for_comms: never ReduceOp.AVG
     max_reducing: int | None = None  # reductions (and their input buffers) in flight; None: the schedule's MAX_REDUCING
 
 

@@ -254,7 +254,7 @@ class ParamGroup:
     def _reduction(self, bucket: Bucket) -> collectives.Reduction:
         layout = self.layout
         options = self.options
-        how = collectives.Reduction(options.gradient_divide_factor or self.mesh_size, custom=options.custom_reduce_scatter)
+        how = collectives.Reduction(options.gradient_divide_factor or self.mesh_size, custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction)
         if options.all_reduce_hook is not None:
             how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP

@@ -51,7 +51,8 @@ def lazy_init(root: GroupState) -> Schedule:
     for state in states:
         if state.group is not None:
             state.group.name = state.name
-            state.group.lazy_init()
+            if state.group.layout is None:  # else an explicit unshard() before this forward made it
+                state.group.lazy_init()
     shared.schedule = Schedule(states, root.device, shared)
     set_lockstep(shared, shared.options.lockstep)
     return shared.schedule

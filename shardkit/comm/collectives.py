@@ -151,6 +151,7 @@ class Reduction:
     keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
     custom: Any = None  # the user's ReduceScatter (set_custom_reduce_scatter)
     hook: tuple | None = None  # (hook, stream) of set_all_reduce_hook
+    force_sum: bool = False  # set_force_sum_reduction_for_comms: ReduceOp.SUM, then divide
 
 
 @dataclass
@@ -179,7 +180,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     pre, post = _divide_factors(how.divide_by, bucket.dtype)
     plain = how.custom is None and how.hook is None and how.replicate is None and how.keep_partial is None and how.partial is None
     op = dist.ReduceOp.SUM
-    if comm.averages and plain and how.divide_by == world and pre == 1:  # fp32/bf16 over one dim:
+    if comm.averages and plain and not how.force_sum and how.divide_by == world and pre == 1:  # fp32/bf16 over one dim:
         op, post = dist.ReduceOp.AVG, 1  # the backend averages (as FSDP2), no division after
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
@@ -190,7 +191,8 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     via = "all_to_all" if by_all_to_all else "all_reduce" if by_all_reduce else ""
     traced = None
     if trace.is_recording():
-        traced = trace.record("reduce_scatter", name, f"via {via}" if via else "", dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim)
+        op_name = "avg" if op == dist.ReduceOp.AVG else "sum"
+        traced = trace.record("reduce_scatter", name, f"via {via}" if via else "", dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim, op=op_name, divide_by=post)
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
     def launch(async_op: bool):
@@ -233,7 +235,7 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
     replicate = how.replicate
     traced = None
     if replicate is not None:
-        traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim)
+        traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim, op="sum")
 
     def launch(async_op: bool):
         if how.partial is not None:

@@ -48,6 +48,8 @@ class Event:
     numel: int = 0  # elements of the whole (unsharded side) buffer of a collective
     world: int = 1  # ranks taking part in a collective
     mesh_dim: str = ""  # the mesh dimension a collective runs over ("dp", "shard", "replicate", ...)
+    op: str = ""  # a reduction's ReduceOp ("sum", "avg"; not shown in the line)
+    divide_by: float = 1.0  # a reduction: what the result is divided by after it (not shown)
     t: int = 0  # perf_counter_ns when it happened (a collective: when it was issued)
     wait_ns: int = 0  # a collective: when a hook started waiting for it (0: not yet)
     done_ns: int = 0  # a collective: when it completed (0: not yet)

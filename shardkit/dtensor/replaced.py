@@ -55,8 +55,8 @@ def adopt(p: "ShardedParam") -> None:
     DTensor like ours is adopted; a full tensor (FSDP2 raises) is sharded into a new one."""
     slot = p.slots[0]
     registered = slot.module._parameters[slot.name]
-    if registered is p.sharded_param:
-        return
+    if registered is p.sharded_param or registered is p.unsharded_param:
+        return  # ours (unsharded: an explicit unshard() before the first forward)
     where = f"{type(slot.module).__name__}.{slot.name} (parameter '{p.fqn}')"
     if isinstance(registered, DTensor):
         if (registered.shape, registered.placements) != (p.sharded_param.shape, p.spec.placements):

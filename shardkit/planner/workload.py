@@ -3,10 +3,12 @@ scored by its loss, with activation checkpointing where asked for.
 
 Without ``inputs_fn`` the step feeds random token ids (and, for the built-in GPT, targets) of
 ``seq_len``, else the model's context length, else 128. Without ``loss_fn`` the loss is
-cross-entropy of the logits against random targets for the built-in Llama and for a factory
-fed those default token ids (a training loop's separate targets), the loss the model returns
-for the GPT, and for a factory fed ``inputs_fn``'s inputs what ``_default_loss`` says:
-cross-entropy against the last input when that is a tensor of class indices.
+the loss the model returns, if it returns one (a scalar, a ``.loss``, a ``(logits, loss)``
+pair: the GPT, Hugging Face models given labels); else cross-entropy of the logits against
+random targets for the built-in Llama and for a factory fed those default token ids (a
+training loop's separate targets), and for a factory fed ``inputs_fn``'s inputs what
+``_default_loss`` says: cross-entropy against the last input when that is a tensor of class
+indices.
 """
 
 from __future__ import annotations
@@ -68,22 +70,43 @@ def _vocab(model: nn.Module) -> int:
 def _default_loss(output: Any, inputs: tuple) -> torch.Tensor:
     """The loss without ``loss_fn``, as a training loop would compute it from the output.
 
-    A scalar output, or the second of a ``(logits, loss)`` pair, is the loss. Otherwise the
-    output (its first element, or its ``.logits``) of shape ``(..., classes)`` is scored by
+    The loss the model returns itself (``_own_loss``) is the loss. Otherwise the output (its
+    first element, or its ``.logits``) of shape ``(..., classes)`` is scored by
     ``F.cross_entropy(out.reshape(-1, classes), target.reshape(-1))`` against the last input
     when that is an integer tensor of shape ``(...)`` (token ids or targets): its log-softmax
     and gradient temporaries are the size of the logits. Any other output is reduced by its
     mean, which has no such temporaries: pass ``loss_fn`` if the real loss has them.
     """
-    if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], torch.Tensor) and output[1].dim() == 0:
-        return output[1]
-    out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    if out.dim() == 0:
-        return out
+    own = _own_loss(output)
+    if own is not None:
+        return own
+    out = _logits(output)
     target = inputs[-1] if inputs else None
     if _class_indices(target) and out.dim() >= 2 and target.shape == out.shape[:-1]:
         return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1).long())
     return out.float().mean()
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model returns itself: a scalar output, a scalar ``.loss`` (or ``["loss"]``,
+    as Hugging Face outputs carry it), or the scalar of a ``(logits, loss)`` / ``(loss,
+    logits)`` pair; None when it returns none."""
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else None
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    if isinstance(output, (tuple, list)):
+        scalars = [o for o in output[:2] if isinstance(o, torch.Tensor) and o.dim() == 0]
+        return scalars[0] if scalars else None
+    return None
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """The output's logits: the output itself, its first element, or its ``.logits``."""
+    if isinstance(output, dict):
+        return output["logits"]
+    return output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
 
 
 def _class_indices(t: Any) -> bool:
@@ -91,9 +114,13 @@ def _class_indices(t: Any) -> bool:
 
 
 def _token_loss(vocab: int, batch: int, seq: int):
-    """Cross-entropy of logits against random targets (a language model's loss)."""
+    """Cross-entropy of logits against random targets (a language model's loss), or the loss
+    the model returns itself."""
     def loss(output: Any, inputs: tuple) -> torch.Tensor:
-        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+        own = _own_loss(output)
+        if own is not None:
+            return own
+        logits = _logits(output)
         targets = torch.randint(vocab, logits.shape[:-1])
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
     return loss

@@ -182,15 +182,23 @@ def test_set_post_optim_event_before_the_first_forward():
     assert with_event == without + 1  # the all-gather stream waited for the event
 
 
-@pytest.mark.parametrize("method", ["set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params"])
-def test_set_accepted_for_compatibility_before_the_first_forward(method, monkeypatch):
-    """Both ask for what shardkit always does (sum, then divide; zeros for unused
-    parameters): accepted, and the step is the same."""
+def test_set_reduce_scatter_unused_params_is_accepted_before_the_first_forward():
+    """It asks for what shardkit always does (zeros for unused parameters): accepted, and
+    the step is the same."""
     with fake_world(4) as mesh:
         plain = [str(e) for e in first_step(sharded(mesh)).events]
         net = sharded(mesh)
-        getattr(net, method)(True)
+        net.set_reduce_scatter_unused_params(True)
         assert [str(e) for e in first_step(net).events] == plain
+
+
+def test_set_force_sum_reduction_for_comms_before_the_first_forward(mesh8, monkeypatch):
+    net = sharded(mesh8)
+    for module in net.modules():
+        if isinstance(module, FSDPModule):  # not recursive, as FSDP2
+            module.set_force_sum_reduction_for_comms(True)
+    ops, divisors = reduce_ops_and_divisions(net, monkeypatch, first_step)
+    assert (ops, divisors) == ({torch.distributed.ReduceOp.SUM}, {8})
 
 
 @pytest.mark.parametrize("method", ["set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"])

@@ -1,0 +1,133 @@
+"""One minimal test per bug that once shipped with every other test green, named after the
+behaviour that was wrong. In-process: one gloo rank, or the fake process group."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardkit
+from shardkit import fully_shard
+from shardkit.comm import collectives
+from tests.conftest import fake_world
+
+
+@contextlib.contextmanager
+def gloo_world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+UNSHARDS = {
+    "root": lambda m: m.unshard(),
+    "block": lambda m: m.blocks[1].unshard(),
+    "async_then_wait": lambda m: m.unshard(async_op=True).wait(),
+    "async_waited_twice": lambda m: _wait_twice(m.unshard(async_op=True)),
+    "async_not_waited": lambda m: m.unshard(async_op=True),  # the forward waits for it
+}
+
+
+def _wait_twice(handle):
+    handle.wait()
+    handle.wait()
+
+
+# Bug: an explicit unshard() before a forward replaced the sharded parameters at lazy init by
+# new ones, so AdamW stepped tensors the model no longer used (2e-2 off after 2 steps).
+@pytest.mark.parametrize("how", UNSHARDS)
+def test_unshard_before_forward_trains_as_the_unsharded_model(how):
+    with gloo_world_of_one():
+        torch.manual_seed(0)
+        reference = TwoBlocks()
+        model = copy.deepcopy(reference)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        sharded_before = [id(p) for p in model.parameters()]
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            UNSHARDS[how](model)
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            reference(x).sum().backward()
+            ref_optim.step()
+            ref_optim.zero_grad()
+        assert [id(p) for p in model.parameters()] == sharded_before  # the optimizer's parameters
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.full_tensor(), ref, rtol=0, atol=1e-6, msg=name)
+
+
+# Bug: the planner's token cross-entropy default replaced the scalar-loss path: IndexError.
+@pytest.mark.parametrize("factory", ["scalar", "loss_attribute", "loss_first"])
+def test_planner_uses_the_loss_a_model_returns_itself(factory):
+    spec = f"tests.regressions.models_returning_loss:{factory}"
+    kwargs = dict(blocks=["blocks.0", "blocks.1"], seq_len=8, batch_size=2)
+    planned = shardkit.plan(spec, 4, **kwargs)
+    own = {"scalar": lambda out, inputs: out, "loss_attribute": lambda out, inputs: out.loss,
+           "loss_first": lambda out, inputs: out[0]}[factory]
+    explicit = shardkit.plan(spec, 4, loss_fn=own, **kwargs)
+    assert planned.memory.peak == explicit.memory.peak > 0
+    assert planned.comm == explicit.comm
+
+
+def test_python_m_shardkit_plan_takes_a_model_that_returns_its_loss(capsys):
+    from shardkit.__main__ import main
+
+    assert main(["plan", "tests.regressions.models_returning_loss:scalar", "--world", "4"]) == 0
+    assert "peak" in capsys.readouterr().out.lower()
+
+
+# Bug: set_force_sum_reduction_for_comms(True) was accepted and did nothing (AVG stayed).
+def test_force_sum_reduction_sums_in_the_collective_and_divides_after(monkeypatch):
+    ops = []
+    original = collectives._reduce_scatter_single
+
+    def recording(output, input, op, **kwargs):
+        ops.append(op)
+        return original(output, input, op=op, **kwargs)
+
+    monkeypatch.setattr(collectives, "_reduce_scatter_single", recording)
+    with fake_world(8) as mesh:
+        torch.manual_seed(0)
+        model = TwoBlocks()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_force_sum_reduction_for_comms(True)  # the root's group only, as FSDP2
+        with shardkit.trace() as t:
+            model(torch.randn(4, 8)).sum().backward()
+    by_group = {e.group: (e.op, e.divide_by) for e in t.collectives("reduce_scatter")}
+    assert by_group == {"": ("sum", 8), "blocks.0": ("avg", 1), "blocks.1": ("avg", 1)}
+    assert sorted(map(str, ops)) == sorted(map(str, [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.AVG]))
+    ops.clear()
+    with fake_world(8) as mesh2:  # a fresh model: every group forced
+        torch.manual_seed(0)
+        model = TwoBlocks()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh2)
+            block.set_force_sum_reduction_for_comms(True)
+        fully_shard(model, mesh=mesh2)
+        model.set_force_sum_reduction_for_comms(True)
+        model(torch.randn(4, 8)).sum().backward()
+    assert set(map(str, ops)) == {str(dist.ReduceOp.SUM)}
