@@ -7,6 +7,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # Test-only: what users combine with FSDP (float8 / NF4 weights); never imported by shardkit.
 TEST_DEPS ?= torchao==0.18.0
+# Test-only, with its dependencies (attrs, sortedcontainers): the differential fuzzer (tests/fuzz).
+FUZZ_DEPS ?= hypothesis==6.170.17
 # Bench-only: the plot of benchmarks/scaling.py (make bench ARGS=--scaling); the tests never need it.
 # The same pin as pyproject.toml's `bench` extra.
 BENCH_DEPS ?= matplotlib==3.10.9
@@ -26,7 +28,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install "$(TORCH_SPEC)"
-	$(VENV)/bin/pip install numpy rich pytest expecttest
+	$(VENV)/bin/pip install numpy rich pytest expecttest "$(FUZZ_DEPS)"
 	$(VENV)/bin/pip install --no-deps $(TEST_DEPS)
 	$(VENV)/bin/pip install --no-deps -e .
 	touch $@

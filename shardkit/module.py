@@ -52,9 +52,11 @@ class FSDPModule:
             group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False`` accumulates unreduced gradients locally (no communication) until set back."""
+        """``False`` accumulates unreduced gradients locally (no communication) until set back.
+        Sets ``set_requires_all_reduce`` to the same value too (HSDP), as FSDP2 does."""
         for state in _states(self, recurse):
             state.options.requires_gradient_sync = requires_gradient_sync
+            state.options.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: ``False`` reduce-scatters within the replica but skips the all-reduce

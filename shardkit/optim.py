@@ -58,8 +58,13 @@ def install_once() -> None:
 
 def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
+    # Only for the groups whose parameters this optimizer holds (as DTensors, or as their local
+    # tensors while ``_to_local`` swapped them): under torch's threaded process group every
+    # rank's groups live in this process, and another rank's step must not make this rank
+    # gather again (an all-gather the other ranks do not issue: a hang).
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for group in list(groups):
-        if group.layout is not None:
+        if group.layout is not None and any(id(p.sharded_param) in held or id(p.sharded_param._local_tensor) in held for p in group.params):
             group.layout.gathered_version = None
 
 

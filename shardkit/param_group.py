@@ -106,6 +106,7 @@ class ParamGroup:
     def lazy_init(self) -> None:
         for p in self.params:
             replaced.adopt(p)
+            p.refresh_extension()  # hooks attached to the local shard after fully_shard, as FSDP2 allows
         meta = [p.fqn for p in self.params if p.shard_device.type == "meta"]
         if meta:
             raise still_on_meta(meta)
@@ -259,10 +260,9 @@ class ParamGroup:
             how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP
             how.partial = layout.partial.pop(tuple(map(id, bucket.params)), None)
-            if self.options.requires_all_reduce:
-                how.replicate = layout.replicate
-            else:
-                how.keep_partial = layout.partial
+            how.replicate = layout.replicate
+            if not self.options.requires_all_reduce:
+                how.keep_partial = layout.partial  # instead of the all-reduce
         return how
 
     def reduce_done(self) -> bool:

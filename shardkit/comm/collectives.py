@@ -23,6 +23,7 @@ a sum of the received chunks ("via all_to_all" in the trace).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +55,13 @@ class Comm:
     @classmethod
     def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None, separate: bool = False) -> "Comm":
         group = mesh.get_group(dim)
-        if separate:  # a second process group over the same ranks, one per rank set
-            ranks = tuple(dist.get_process_group_ranks(group))
-            if ranks not in _separate_groups:
-                _separate_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            group = _separate_groups[ranks]
+        if separate:  # a second process group over the same ranks, one per rank set and world
+            # (keyed by the world group too: a new init_process_group, or each rank's world under
+            # torch's threaded process group, gets its own)
+            key = (dist.group.WORLD, tuple(dist.get_process_group_ranks(group)))
+            if key not in _separate_groups:
+                _separate_groups[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
+            group = _separate_groups[key]
         backend = str(dist.get_backend(group))
         if name is None:
             name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
@@ -66,7 +69,7 @@ class Comm:
         return cls(group, world, dist.get_rank(group), streams, backend == "gloo", name, backend in ("nccl", "fake") and world > 1)
 
 
-_separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_separate_groups: dict[tuple, dist.ProcessGroup] = {}
 
 
 # All-gather --------------------------------------------------------------------------------
@@ -146,8 +149,8 @@ class Reduction:
     """How a group's gradients are reduced, besides the bucket and its process group."""
 
     divide_by: float  # the sum over ranks is divided by this (the ranks, or the user's factor)
-    replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after
-    partial: torch.Tensor | None = None  # HSDP: earlier sums kept without all-reduce, added first
+    replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after (unless keep_partial)
+    partial: tuple | None = None  # HSDP: (chunk, ranks it is averaged over) kept without all-reduce, added first
     keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
     custom: Any = None  # the user's ReduceScatter (set_custom_reduce_scatter)
     hook: tuple | None = None  # (hook, stream) of set_all_reduce_hook
@@ -162,6 +165,7 @@ class PendingReduction:
     missing: list[int]  # indices of the parameters this rank has no gradient for
     divide_by: float  # after the reduction
     keep_partial: dict | None  # see Reduction
+    averaged_over: int  # 1: ``chunk`` holds sums; else the backend averaged over this many ranks
     via: str  # "": ``chunk`` is the reduced chunk; "all_reduce": a row of the whole all-reduce buffer;
     # "all_to_all": (world, per_rank + n), every rank's rows for this rank, to sum (gloo)
     hook: tuple | None = None  # see Reduction
@@ -179,9 +183,15 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     world, n = comm.world, len(bucket.params)
     pre, post = _divide_factors(how.divide_by, bucket.dtype)
     plain = how.custom is None and how.hook is None and how.replicate is None and how.keep_partial is None and how.partial is None
-    op = dist.ReduceOp.SUM
-    if comm.averages and plain and not how.force_sum and how.divide_by == world and pre == 1:  # fp32/bf16 over one dim:
-        op, post = dist.ReduceOp.AVG, 1  # the backend averages (as FSDP2), no division after
+    # fp32/bf16 divided by the ranks: the backend averages (as FSDP2), no division after; with
+    # HSDP in both collectives (the shard dim's average, averaged over the replicas).
+    op = replicate_op = dist.ReduceOp.SUM
+    comms = (comm,) if how.replicate is None else (comm, how.replicate)
+    ranks = math.prod(c.world for c in comms)
+    averages = all(c.averages or c.world == 1 for c in comms) and bucket.dtype in (torch.float32, torch.bfloat16)
+    if averages and how.divide_by == ranks and not how.force_sum and how.custom is None and how.hook is None:
+        op, replicate_op = (_average(c) for c in (comm, how.replicate or comm))
+        post = 1
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
     # gloo's reduce_scatter is slow: over one dim an all-to-all (the same bytes) and the sum
@@ -191,7 +201,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     via = "all_to_all" if by_all_to_all else "all_reduce" if by_all_reduce else ""
     traced = None
     if trace.is_recording():
-        op_name = "avg" if op == dist.ReduceOp.AVG else "sum"
+        op_name = _op_name(op)
         traced = trace.record("reduce_scatter", name, f"via {via}" if via else "", dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim, op=op_name, divide_by=post)
     check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
@@ -215,9 +225,10 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     handle = comm.streams.issue(Collective("reduce_scatter", name, traced), {"unsharded gradients": grads}, launch)
     chunk = handle.buffers["output"]
     handles = [handle]
-    if how.partial is not None or how.replicate is not None:
-        handles.append(_over_replicas(handle, chunk, comm.streams, name, how))
-    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, via, how.hook)
+    averaged_over = world if op == dist.ReduceOp.AVG else 1
+    if how.partial is not None or how.replicate is not None and how.keep_partial is None:
+        handles.append(_over_replicas(handle, chunk, comm.streams, name, how, replicate_op, averaged_over))
+    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, averaged_over, via, how.hook)
 
 
 def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, async_op: bool):
@@ -229,24 +240,34 @@ def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, 
     return work, chunk, buffer
 
 
-def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: str, how: Reduction) -> Handle:
+def _average(comm: Comm):
+    """AVG, or SUM over one rank (the same; NCCL's AVG over one rank is unreliable)."""
+    return dist.ReduceOp.AVG if comm.world > 1 else dist.ReduceOp.SUM
+
+
+def _op_name(op) -> str:
+    return "avg" if op == dist.ReduceOp.AVG else "sum"
+
+
+def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: str, how: Reduction, op, averaged_over: int) -> Handle:
     """HSDP, once the reduce-scatter is done: add the sums kept from reductions without an
     all-reduce, then all-reduce the chunk over the replicas (unless it is kept instead)."""
-    replicate = how.replicate
+    replicate = how.replicate if how.keep_partial is None else None
     traced = None
     if replicate is not None:
-        traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim, op="sum")
+        traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim, op=_op_name(op))
 
     def launch(async_op: bool):
-        if how.partial is not None:
-            chunk.add_(how.partial)
+        if how.partial is not None:  # in the units of this chunk (sums, or averages over the shard dim)
+            partial, partial_over = how.partial
+            chunk.add_(partial, alpha=partial_over / averaged_over)
         if replicate is None:
             return None, {}
         check.before(replicate.group, "all_reduce", name, chunk.dtype, chunk.numel(), replicate.world)
-        work = dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=replicate.group, async_op=async_op)
+        work = dist.all_reduce(chunk, op=op, group=replicate.group, async_op=async_op)
         return work, {}
 
-    inputs = {"buffer": chunk, "partial sums": how.partial}
+    inputs = {"buffer": chunk, "partial sums": how.partial[0] if how.partial is not None else None}
     return streams.issue(Collective("all_reduce", name, traced), inputs, launch, after=first)
 
 
@@ -265,7 +286,7 @@ def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
     if not keep:
         return
     if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
-        pending.keep_partial[tuple(map(id, bucket.params))] = pending.chunk
+        pending.keep_partial[tuple(map(id, bucket.params))] = (pending.chunk, pending.averaged_over)
         return
     # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
     # GPU) only when this rank lacks one. Under a fake process group they are garbage.

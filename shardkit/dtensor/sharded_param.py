@@ -188,6 +188,21 @@ class ShardedParam:
         n, i = self.post_forward_numel, self.post_forward_index
         self.post_forward_shard = self.unsharded_flat[i * n : (i + 1) * n].clone()  # (post_forward_numel,)
 
+    def refresh_extension(self) -> None:
+        """At lazy init: take the all-gather hooks the local shard has now. FSDP2 lets users
+        attach them to the local tensor object after ``fully_shard`` (and after ``to_empty``,
+        which makes a new one), up to the first forward: ``param._local_tensor.fsdp_pre_all_gather
+        = fn.__get__(param._local_tensor)``."""
+        found = extension.of(self.sharded_param._local_tensor, f"parameter '{self.fqn}'")
+        if (found is None) == (self.extension is None):
+            return
+        if found is not None and self.post_forward_numel:
+            raise NotImplementedError(
+                f"reshard_after_forward=<int> with parameter '{self.fqn}' with fsdp_pre_all_gather is not supported; pass True or False."
+            )
+        self.extension = found
+        self.unsharded_param = self.unsharded_flat = None  # made by the hooks, or as a plain buffer
+
     def alloc_unsharded(self) -> None:
         """Create the unsharded parameter once (storage freed until the first unshard); a
         parameter with the all-gather hooks gets it from them, at its first all-gather."""

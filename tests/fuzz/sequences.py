@@ -1,0 +1,605 @@
+"""The differential API fuzzer's core: models, call sequences, and one run of a sequence.
+
+An example is a model ``Spec`` and a list of calls (``Command`` tuples, JSON-able, so that a
+failing sequence can be written out and replayed). ``Run`` builds the same model three ways:
+sharded by shardkit, sharded by torch's FSDP2, and unsharded (the reference, fed the global
+batch), and executes each call on all of them. After every call it checks:
+
+- numerics (real process groups): the loss, the parameters (the optimizer's, gathered) and,
+  when the gradients are complete, the gradients, against the reference with a tolerance by
+  dtype; and against FSDP2 exactly, while FSDP2 accepts the sequence and agrees with the
+  reference itself;
+- collectives (every process group): the ops issued during the call, seen below torch's
+  dispatcher (``c10d`` ops), against FSDP2's: the all-gathers' count and sizes, the
+  reductions' count and ``ReduceOp``s;
+- errors: a call shardkit rejects and FSDP2 accepts is a failure (a case FSDP2 handles).
+
+The model of the calls' effects the checks need (which gradients are complete, the divide
+factor per group) lives in ``Run``; a call whose precondition does not hold is skipped
+(recorded as such), so that any list of calls is a valid sequence and shrinking is free to
+drop calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DIM, VOCAB, BATCH, SEQ = 8, 16, 4, 3
+TARGETS = ("", "blocks.0", "blocks.1")  # the root and two groups every model has
+UNSHARD_HOWS = ("sync", "async_wait", "async_wait_twice", "async_no_wait")
+LR = 1e-2
+
+
+@dataclass(frozen=True)
+class Spec:
+    blocks: int = 2
+    nested: bool = False  # each block has an inner fully_shard'ed Linear
+    mixed: bool = False  # each block also holds a float64 parameter (a group of several dtypes)
+    tied: str = "none"  # "none" | "same" (embedding and head in the root group) | "across" (head its own group)
+    mp: bool = False  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    reshard: Any = True  # the blocks' reshard_after_forward: True, False, or an int
+    mesh: str = "1d"  # "1d" | "hsdp" (replicate, shard) = (2, world/2) | "hsdp1" = (1, world)
+
+
+class Boom(RuntimeError):
+    """Raised inside a forward on purpose (``raise_in_forward``)."""
+
+
+class Block(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.inner = nn.Linear(DIM, DIM) if spec.nested else None
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(DIM, dtype=torch.float64)) if spec.mixed else None
+        self.fail = False
+
+    def forward(self, x):
+        x = torch.tanh(self.lin(x))
+        if self.inner is not None:
+            x = x + torch.tanh(self.inner(x))
+        if self.scale is not None:
+            x = x * self.scale.to(x.dtype)
+        if self.fail:
+            raise Boom("raised inside a block's forward on purpose")
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.tied = spec.tied != "none"
+        if self.tied:
+            self.emb = nn.Embedding(VOCAB, DIM)
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+            self.head.weight = self.emb.weight
+        else:
+            self.inp = nn.Linear(DIM, DIM)
+            self.out = nn.Linear(DIM, 1)
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.blocks))
+
+    def forward(self, x):
+        x = self.emb(x) if self.tied else self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.tied else self.out(x)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if model.tied:
+        return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+    return F.mse_loss(out.float().squeeze(-1), y.float())
+
+
+def batch(seed: int, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step (every rank makes the same one)."""
+    g = torch.Generator().manual_seed(seed)
+    if spec.tied != "none":
+        return torch.randint(VOCAB, (BATCH, SEQ), generator=g), torch.randint(VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, generator=g)
+
+
+# The two implementations' API ----------------------------------------------------------------
+def impl_api(impl: str):
+    if impl == "shardkit":
+        import shardkit as api
+    else:
+        import torch.distributed.fsdp as api
+    return api
+
+
+def shard(model: Net, spec: Spec, impl: str, mesh) -> None:
+    api = impl_api(impl)
+    kwargs = {"mesh": mesh}
+    if spec.mp:
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        if block.inner is not None:
+            api.fully_shard(block.inner, **kwargs)
+        api.fully_shard(block, reshard_after_forward=spec.reshard, **kwargs)
+    if spec.tied == "across":
+        api.fully_shard(model.head, **kwargs)
+    api.fully_shard(model, **kwargs)
+
+
+def groups_of(model: nn.Module) -> dict[str, nn.Module]:
+    """Every fully_shard'ed module by FQN (either implementation's FSDPModule)."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from shardkit import FSDPModule
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (FSDPModule, TorchFSDPModule))}
+
+
+def owner_of(name: str, groups: list[str]) -> str:
+    """The group a parameter FQN belongs to: its longest group prefix."""
+    best = ""
+    for g in groups:
+        if g and (name.startswith(g + ".")) and len(g) > len(best):
+            best = g
+    return best
+
+
+# Seeing the collectives ----------------------------------------------------------------------
+class Collectives(TorchDispatchMode):
+    """Records the c10d collectives issued below the dispatcher, whoever issues them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name.startswith("c10d::"):
+            kind = name.removeprefix("c10d::").rstrip("_")
+            # (schemas: _allgather_base_(out, in, group, ...), _reduce_scatter_base_(out, in,
+            # group, op, ...), allreduce_(tensors, group, op, ...), alltoall_base_(out, in, group, ...))
+            if kind == "_allgather_base" and _group_size(args[2]) > 1:  # FSDP2 skips 1-rank collectives
+                self.seen.append(("all_gather", args[1].dtype, args[0].numel()))
+            elif kind == "_reduce_scatter_base" and _group_size(args[2]) > 1:
+                self.seen.append(("reduce_scatter", _op(args[3])))
+            elif kind == "allreduce" and _group_size(args[1]) > 1:
+                self.seen.append(("all_reduce", _op(args[2])))
+            elif kind == "alltoall_base" and _group_size(args[2]) > 1:
+                self.seen.append(("reduce_scatter", "sum"))  # shardkit's gloo route: all-to-all + a sum
+        return func(*args, **kwargs)
+
+
+def _group_size(script_group) -> int:
+    return dist.ProcessGroup.unbox(script_group).size()
+
+
+def _op(script_op) -> str:
+    # PREMUL_SUM (FSDP2's reduce-scatter with a divide factor other than the world) multiplies
+    # before an NCCL sum; shardkit sums and divides after: the same reduction, "sum" for both.
+    names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PREMUL_SUM: "sum"}
+    value = int(script_op.op())
+    return next((name for op, name in names.items() if int(op) == value), str(value))
+
+
+def comparable(seen: list[tuple]) -> tuple:
+    """What must agree between shardkit and FSDP2: all-gathers by (dtype, numel), reductions
+    by op (their sizes differ: shardkit adds a grad-presence column per parameter)."""
+    gathers = Counter(s for s in seen if s[0] == "all_gather")
+    reductions = Counter(s for s in seen if s[0] == "reduce_scatter")
+    all_reduces = Counter(s for s in seen if s[0] == "all_reduce")
+    return gathers, reductions, all_reduces
+
+
+# One run of a sequence ----------------------------------------------------------------------
+@dataclass
+class Side:
+    """One implementation's model, optimizer and state of the step."""
+
+    impl: str
+    model: nn.Module
+    params: dict[str, nn.Parameter] = field(default_factory=dict)  # what the optimizer holds, by FQN
+    optim: torch.optim.Optimizer | None = None
+    loss: torch.Tensor | None = None
+    alive: bool = True  # False once it rejected a call (FSDP2) or disagreed with the reference
+    why_out: str = ""
+    seen: list = field(default_factory=list)  # collectives of the last call
+
+
+class Failure(AssertionError):
+    pass
+
+
+class Run:
+    """Runs one sequence on shardkit, FSDP2 and (``numerics``) the unsharded reference."""
+
+    def __init__(self, spec: Spec, meshes: dict, numerics: bool, compare_collectives: bool, impls=("shardkit", "torch")) -> None:
+        self.spec, self.numerics, self.compare_collectives = spec, numerics, compare_collectives
+        self.mesh = meshes[spec.mesh]
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        torch.manual_seed(0)
+        base = Net(spec)
+        self.reference = copy.deepcopy(base)
+        self.sides: list[Side] = []
+        for impl in impls:
+            model = copy.deepcopy(base)
+            side = Side(impl, model)
+            try:
+                shard(model, spec, impl, self.mesh)
+            except Exception as e:  # FSDP2 rejects this model: shardkit alone
+                if impl == "shardkit":
+                    raise
+                side.alive, side.why_out = False, f"fully_shard: {type(e).__name__}: {e}"
+            if impl == "torch" and spec.tied == "across":  # shardkit only: FSDP2 manages the weight in both groups
+                side.alive, side.why_out = False, "weights tied across groups"
+            self.sides.append(side)
+        self.groups = list(groups_of(self.sides[0].model))
+        self.sync = {g: True for g in self.groups}  # set_requires_gradient_sync
+        self.all_reduce = {g: True for g in self.groups}  # set_requires_all_reduce
+        self.unreduced = {g: False for g in self.groups}  # gradients kept unreduced since a backward
+        self.factor = {g: None for g in self.groups}  # set_gradient_divide_factor
+        self.ref_loss: torch.Tensor | None = None
+        self.dtype = torch.float32
+        # A forward left without its backward, then another forward or an optimizer step:
+        # shardkit re-gathers what an optimizer step may have changed, FSDP2 reuses it. Both
+        # are right when the step had no gradients; from then on all-gathers are not compared.
+        self.gathers_comparable = True
+        self.unwaited: set[str] = set()  # groups unsharded with async_op=True, not waited for yet
+        self.log: list[str] = []
+        self._new_optimizers()
+
+    # Bookkeeping --------------------------------------------------------------------------
+    def _new_optimizers(self) -> None:
+        self.ref_params = dict(self.reference.named_parameters())
+        self.ref_optim = torch.optim.AdamW(self.ref_params.values(), lr=LR)
+        for side in self.live_sides():
+            side.params = dict(side.model.named_parameters())
+            side.optim = torch.optim.AdamW(side.params.values(), lr=LR)
+
+    def live_sides(self) -> list[Side]:
+        return [s for s in self.sides if s.alive]
+
+    @property
+    def shardkit(self) -> Side:
+        return self.sides[0]
+
+    def grads_complete(self) -> bool:
+        return not any(self.unreduced.values())
+
+    def idle(self) -> bool:
+        return self.ref_loss is None and self.grads_complete()
+
+    def grad_scale(self, name: str) -> float:
+        """Sharded .grad = reference .grad * this (set_gradient_divide_factor)."""
+        factor = self.factor[owner_of(name, self.groups)]
+        return 1.0 if factor is None else self.world / factor
+
+    # Executing ----------------------------------------------------------------------------
+    def execute(self, cmd: tuple) -> None:
+        """Run one call on every side and check; raises ``Failure`` with the reason."""
+        name, *args = cmd
+        if self.ref_loss is not None and name in ("forward", "step", "zero_grad", "train"):
+            self.gathers_comparable = False
+        if self.unwaited and name not in ("forward", "train", "unshard", "set"):
+            # FSDP2 keeps an unwaited all-gather across a reshard (reshard(), state dicts) for
+            # the next unshard to use; shardkit waits for it and frees it (a later unshard
+            # gathers fresh data, as the state dict may have changed it).
+            self.gathers_comparable = False
+        if name in ("forward", "train", "raise_in_forward"):
+            self.unwaited.clear()
+        elif name == "unshard":
+            (self.unwaited.add if args[1] == "async_no_wait" else self.unwaited.discard)(args[0])
+        if name == "train":  # forward, backward and the optimizer step, checked after each
+            for part in (("forward", *args), ("backward",), ("step",)):
+                self.execute(part)
+            return
+        method = getattr(self, f"do_{name}")
+        if not method(*args, dry=True):
+            self.log.append(f"{cmd}: skipped (precondition)")
+            return
+        outcomes: dict[str, BaseException | None] = {}
+        for side in self.live_sides():
+            recorder = Collectives() if self.compare_collectives else contextlib.nullcontext()
+            try:
+                with recorder:
+                    method(*args, side=side)
+                outcomes[side.impl] = None
+            except Boom:
+                outcomes[side.impl] = None
+            except Exception as e:  # noqa: BLE001 - judged below
+                outcomes[side.impl] = e
+            side.seen = getattr(recorder, "seen", [])
+        if self.numerics:
+            method(*args, side=None)  # the reference, and the bookkeeping
+        else:
+            method(*args, side=None, reference=False)
+        self._judge_errors(cmd, outcomes)
+        self.log.append(f"{cmd}: ok")
+        self.check(cmd)
+
+    def _judge_errors(self, cmd: tuple, outcomes: dict) -> None:
+        mine = outcomes.get("shardkit")
+        theirs = outcomes.get("torch", "absent")
+        if mine is not None and theirs is None:
+            raise Failure(f"{cmd}: shardkit raised where FSDP2 did not: {type(mine).__name__}: {mine}")
+        if mine is not None:
+            raise Failure(f"{cmd}: shardkit raised {type(mine).__name__}: {mine} (FSDP2: {theirs!r}); no call of this vocabulary should")
+        if isinstance(theirs, BaseException):
+            torch_side = self.sides[1]
+            torch_side.alive, torch_side.why_out = False, f"{cmd}: {type(theirs).__name__}: {theirs}"
+
+    # Checking -----------------------------------------------------------------------------
+    def check(self, cmd: tuple) -> None:
+        if self.compare_collectives:
+            self._check_collectives(cmd)
+        if not self.numerics:
+            return
+        tol = self.tolerance()
+        if cmd[0] == "forward" and self.ref_loss is not None:
+            for side in self.live_sides():
+                if side.loss is None:
+                    continue
+                loss = side.loss.detach().float().clone()
+                dist.all_reduce(loss)
+                self._compare(side, "loss", loss / self.world, self.ref_loss.detach().float(), tol)
+        for name, ref in self.ref_params.items():
+            for side in self.live_sides():
+                self._compare(side, f"parameter {name}", _full(side.params[name]), ref.detach(), tol)
+        if self.grads_complete():
+            for name, ref in self.ref_params.items():
+                want = None if ref.grad is None else ref.grad * self.grad_scale(name)
+                for side in self.live_sides():
+                    got = side.params[name].grad
+                    got = None if got is None else _full(got)
+                    if got is None or want is None:  # None and zeros are the same gradient
+                        other = want if got is None else got
+                        if other is not None and bool(other.any()):
+                            self._fail_or_drop(side, f"gradient {name}: {'None' if got is None else 'set'} vs reference {'None' if want is None else 'set'}")
+                        continue
+                    self._compare(side, f"gradient {name}", got, want, tol)
+        self._compare_with_fsdp2(cmd)
+
+    def tolerance(self) -> dict:
+        if self.dtype == torch.float64:
+            return dict(rtol=1e-7, atol=1e-9)
+        if self.spec.mp:
+            return dict(rtol=5e-2, atol=2e-2)
+        return dict(rtol=1e-4, atol=1e-5)
+
+    def _compare(self, side: Side, what: str, got: torch.Tensor, want: torch.Tensor, tol: dict) -> None:
+        if got.shape != want.shape:
+            self._fail_or_drop(side, f"{what}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}")
+            return
+        diff = (got.double() - want.double()).abs()
+        bound = tol["atol"] + tol["rtol"] * want.double().abs()
+        if bool((diff > bound).any()):
+            self._fail_or_drop(side, f"{what}: max |diff| {diff.max().item():.3g} from the unsharded reference (tolerance {tol})")
+
+    def _fail_or_drop(self, side: Side, why: str) -> None:
+        if side.impl == "shardkit":
+            raise Failure(why)
+        side.alive, side.why_out = False, f"disagrees with the reference: {why}"
+
+    def _compare_with_fsdp2(self, cmd: tuple) -> None:
+        if len(self.live_sides()) < 2:
+            return
+        mine, theirs = self.sides[0], self.sides[1]
+        for name in self.ref_params:
+            a, b = _full(mine.params[name]), _full(theirs.params[name])
+            if not torch.equal(a, b):
+                d = (a.double() - b.double()).abs().max().item()
+                bound = 1e-6 if not self.spec.mp else 1e-3
+                if d > bound:
+                    raise Failure(f"{cmd}: parameter {name} differs from FSDP2's by {d:.3g} (both agree with the reference within its tolerance)")
+
+    def _check_collectives(self, cmd: tuple) -> None:
+        if len(self.live_sides()) < 2:
+            return
+        mine, theirs = comparable(self.sides[0].seen), comparable(self.sides[1].seen)
+        labels = ("all-gathers (dtype, numel)", "reductions (op)", "all-reduces (op)")
+        first = 0 if self.gathers_comparable else 1
+        for label, a, b in list(zip(labels, mine, theirs))[first:]:
+            if a != b:
+                raise Failure(f"{cmd}: {label} differ from FSDP2's: shardkit {dict(a)} vs FSDP2 {dict(b)}")
+
+    # The calls: each ``do_X(*args, side=..., dry=False)``; ``dry``: is its precondition met;
+    # ``side=None``: the reference's part and the bookkeeping. -----------------------------
+    def do_forward(self, seed: int, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return True
+        x, y = batch(seed, self.spec)
+        if x.is_floating_point():
+            x = x.to(self.dtype)
+        if side is not None:
+            per = BATCH // self.world if BATCH >= self.world else 1
+            lo = (self.rank * per) % BATCH
+            side.loss = None
+            side.loss = loss_of(side.model, x[lo : lo + per], y[lo : lo + per])
+        elif reference:
+            self.ref_loss = loss_of(self.reference, x, y)
+        else:
+            self.ref_loss = torch.zeros(())
+        return True
+
+    def do_backward(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return self.ref_loss is not None
+        if side is not None:
+            loss, side.loss = side.loss, None
+            if loss is not None:
+                loss.backward()
+            return True
+        if reference:
+            self.ref_loss.backward()
+        self.ref_loss = None
+        for g in self.groups:
+            self.unreduced[g] = not (self.sync[g] and (self.all_reduce[g] or self.spec.mesh == "1d"))
+        return True
+
+    def do_step(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return self.grads_complete()
+        if side is not None:
+            side.optim.step()
+            side.optim.zero_grad()
+            return True
+        if reference:
+            with torch.no_grad():
+                for name, p in self.ref_params.items():
+                    if p.grad is not None:
+                        p.grad.mul_(self.grad_scale(name))
+            self.ref_optim.step()
+            self.ref_optim.zero_grad()
+        return True
+
+    def do_zero_grad(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return self.grads_complete()
+        if side is not None:
+            side.optim.zero_grad()
+        elif reference:
+            self.ref_optim.zero_grad()
+        return True
+
+    def do_unshard(self, target: str, how: str, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry or side is None:
+            return True
+        module = side.model.get_submodule(target)
+        if how == "sync":
+            assert module.unshard() is None
+            return True
+        handle = module.unshard(async_op=True)
+        if how in ("async_wait", "async_wait_twice"):
+            handle.wait()
+        if how == "async_wait_twice":
+            handle.wait()
+        return True
+
+    def do_reshard(self, target: str, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry or side is None:
+            return True
+        side.model.get_submodule(target).reshard()
+        return True
+
+    def do_set(self, knob: str, target: str, value: Any, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            if knob == "gradient_divide_factor":  # grads already reduced with the old factor
+                return self.idle() and all(p.grad is None for p in self.ref_params.values())
+            if knob in ("requires_gradient_sync", "requires_all_reduce"):
+                return self.ref_loss is None  # the bookkeeping decides at backward
+            return True
+        if side is None:
+            recursive = KNOBS[knob][1]
+            groups = [g for g in self.groups if g == target or recursive and (target == "" or g.startswith(target + "."))]
+            if knob == "requires_gradient_sync":  # (and requires_all_reduce, as FSDP2)
+                self.sync.update({g: value for g in groups})
+                self.all_reduce.update({g: value for g in groups})
+            elif knob == "requires_all_reduce":
+                self.all_reduce.update({g: value for g in groups})
+            elif knob == "gradient_divide_factor":
+                self.factor[target] = value
+            return True
+        module = side.model.get_submodule(target)
+        if knob == "modules_to_forward_prefetch":
+            value = [side.model.get_submodule(n) for n in value]
+        if knob == "modules_to_backward_prefetch":
+            value = [side.model.get_submodule(n) for n in value]
+        if knob == "is_last_backward":
+            module = side.model
+        getattr(module, f"set_{knob}")(value)
+        return True
+
+    def do_state_dict_roundtrip(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return self.idle()
+        if side is not None:
+            sd = {k: v.detach().clone() for k, v in side.model.state_dict().items()}
+            side.model.load_state_dict(sd)
+        return True
+
+    def do_load_reference(self, scale: float, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """The reference's parameters times ``scale``, loaded as DTensors into the sharded ones."""
+        if dry:
+            return self.idle()
+        if side is not None:
+            sd = {}
+            for name, value in self.reference.state_dict().items():
+                p = side.params[name] if name in side.params else side.params[_tied_name(name, side.params)]
+                sd[name] = distribute_tensor(value.detach() * scale, p.device_mesh, p.placements)
+            side.model.load_state_dict(sd)
+            return True
+        with torch.no_grad():
+            for p in self.reference.parameters():
+                p.mul_(scale)
+        return True
+
+    def do_raise_in_forward(self, seed: int, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return self.idle()
+        if side is None:
+            return True
+        block = side.model.blocks[-1]
+        block.fail = True
+        try:
+            self.do_forward(seed, side=side)
+        except Boom:
+            pass
+        finally:
+            block.fail = False
+            side.loss = None
+        side.model.reset_iter_state()
+        return True
+
+    def do_to_float64(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        if dry:
+            return self.idle() and self.dtype is torch.float32 and not self.spec.mp
+        if side is not None:
+            side.model.to(torch.float64)
+            return True
+        if reference:
+            self.reference.to(torch.float64)
+        self.dtype = torch.float64
+        self._new_optimizers()  # after every side moved
+        return True
+
+
+def _tied_name(name: str, params: dict) -> str:
+    """``head.weight`` of a tied model is ``emb.weight`` in ``named_parameters``."""
+    return "emb.weight" if name == "head.weight" else name
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+# name -> (value strategy key, recursive)
+KNOBS = {
+    "reshard_after_forward": ("bool", True),
+    "reshard_after_backward": ("bool", True),
+    "requires_gradient_sync": ("bool", True),
+    "requires_all_reduce": ("bool", True),
+    "is_last_backward": ("bool", False),
+    "gradient_divide_factor": ("factor", False),
+    "force_sum_reduction_for_comms": ("bool", False),
+    "reduce_scatter_max_input_buffers": ("buffers", True),
+    "modules_to_forward_prefetch": ("prefetch", False),
+    "modules_to_backward_prefetch": ("prefetch", False),
+}
+
+
+def to_json(spec: Spec, commands: list[tuple], world: int) -> str:
+    return json.dumps({"world": world, "spec": asdict(spec), "commands": [list(c) for c in commands]})
+
+
+def from_json(text: str) -> tuple[int, Spec, list[tuple]]:
+    data = json.loads(text)
+    return data["world"], Spec(**data["spec"]), [tuple(c) for c in data["commands"]]

@@ -1,0 +1,64 @@
+"""Hypothesis strategies for the fuzzer's examples: a model ``Spec`` and a call sequence."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from tests.fuzz.sequences import KNOBS, TARGETS, UNSHARD_HOWS, Spec
+
+seeds = st.integers(0, 2**16)
+targets = st.sampled_from(TARGETS)
+
+
+@st.composite
+def specs(draw, world: int) -> Spec:
+    mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
+    shard_size = world // 2 if mesh == "hsdp" else world
+    ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0]  # reshard to R ranks after forward
+    return Spec(
+        blocks=draw(st.sampled_from([2, 3])),
+        nested=draw(st.booleans()),
+        mixed=draw(st.booleans()),
+        tied=draw(st.sampled_from(["none", "same", "across"])),
+        mp=draw(st.booleans()),
+        reshard=draw(st.sampled_from([True, False, *ints])),
+        mesh=mesh,
+    )
+
+
+def _knob_values(kind: str) -> st.SearchStrategy:
+    return {
+        "bool": st.booleans(),
+        "factor": st.sampled_from([1.0, 4.0]),
+        "buffers": st.integers(1, 3),
+        "prefetch": st.sampled_from([[], ["blocks.1"], ["blocks.0"], ["blocks.0", "blocks.1"]]),
+    }[kind]
+
+
+def knob_calls() -> st.SearchStrategy[tuple]:
+    return st.one_of(
+        [st.tuples(st.just("set"), st.just(knob), targets, _knob_values(kind)) for knob, (kind, _) in KNOBS.items()]
+    )
+
+
+def commands() -> st.SearchStrategy[tuple]:
+    """One call. Forward, backward and the step come often (a train step is the three)."""
+    return st.one_of(
+        st.tuples(st.just("forward"), seeds),
+        st.just(("backward",)),
+        st.just(("step",)),
+        st.tuples(st.just("train"), seeds),
+        st.tuples(st.just("train"), seeds),
+        st.just(("zero_grad",)),
+        st.tuples(st.just("unshard"), targets, st.sampled_from(UNSHARD_HOWS)),
+        st.tuples(st.just("reshard"), targets),
+        knob_calls(),
+        st.just(("state_dict_roundtrip",)),
+        st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
+        st.tuples(st.just("raise_in_forward"), seeds),
+        st.just(("to_float64",)),
+    )
+
+
+def sequences(max_size: int = 12) -> st.SearchStrategy[list[tuple]]:
+    return st.lists(commands(), min_size=1, max_size=max_size)

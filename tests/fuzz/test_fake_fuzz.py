@@ -1,0 +1,41 @@
+"""The differential fuzzer on the fake process group (in-process, world 2..8): every call of
+a random sequence issues the same collectives as torch's FSDP2 (all-gathers by dtype and
+size, reductions by ReduceOp), and shardkit accepts every call FSDP2 accepts.
+``make fuzz`` runs it longer, with the gloo tier (numerics) beside it."""
+
+import os
+
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from tests.conftest import fake_world
+from tests.fuzz import strategies
+from tests.fuzz.meshes import make_meshes
+from tests.fuzz.sequences import Run, to_json
+
+EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "40"))
+SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
+REPRO = os.environ.get("FUZZ_REPRO", "fuzz-repro-fake.json")
+
+
+def run_example(world: int, spec, commands) -> Run:
+    with fake_world(world):
+        run = Run(spec, make_meshes(world), numerics=False, compare_collectives=True)
+        try:
+            for cmd in commands:
+                run.execute(cmd)
+        except AssertionError as e:
+            with open(REPRO, "w") as f:
+                f.write(to_json(spec, commands, world=world) + "\n")
+            raise AssertionError(f"{e}\n(replay: python -m tests.fuzz.fuzz --replay {REPRO})") from None
+    return run
+
+
+@seed(SEED)
+@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(data=st.data())
+def test_random_call_sequences_issue_fsdp2s_collectives(data):
+    world = data.draw(st.sampled_from([2, 4, 8]), label="world")
+    spec = data.draw(strategies.specs(world), label="spec")
+    commands = data.draw(strategies.sequences(), label="commands")
+    run_example(world, spec, commands)
