@@ -40,6 +40,10 @@ DIM, VOCAB, BATCH, SEQ = 8, 16, 4, 3
 TARGETS = ("", "blocks.0", "blocks.1")  # the root and two groups every model has
 UNSHARD_HOWS = ("sync", "async_wait", "async_wait_twice", "async_no_wait")
 LR = 1e-2
+# shardkit against FSDP2 where both agree with the reference: the same math up to the order of
+# a few float sums (gloo's reduction, AdamW on local tensors vs DTensors): relative to the
+# tensor's largest element; x100 with bf16 compute.
+FSDP2_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -143,15 +147,6 @@ def groups_of(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (FSDPModule, TorchFSDPModule))}
 
 
-def owner_of(name: str, groups: list[str]) -> str:
-    """The group a parameter FQN belongs to: its longest group prefix."""
-    best = ""
-    for g in groups:
-        if g and (name.startswith(g + ".")) and len(g) > len(best):
-            best = g
-    return best
-
-
 # Seeing the collectives ----------------------------------------------------------------------
 class Collectives(TorchDispatchMode):
     """Records the c10d collectives issued below the dispatcher, whoever issues them."""
@@ -242,7 +237,11 @@ class Run:
             if impl == "torch" and spec.tied == "across":  # shardkit only: FSDP2 manages the weight in both groups
                 side.alive, side.why_out = False, "weights tied across groups"
             self.sides.append(side)
-        self.groups = list(groups_of(self.sides[0].model))
+        modules = groups_of(self.sides[0].model)
+        self.groups = list(modules)
+        # The group that reduces each parameter (a weight tied across groups: the one that sharded it first)
+        by_id = {id(p.sharded_param): g for g, m in modules.items() if m._shardkit().group for p in m._shardkit().group.params}
+        self.owner = {name: by_id[id(p)] for name, p in self.sides[0].model.named_parameters()}
         self.sync = {g: True for g in self.groups}  # set_requires_gradient_sync
         self.all_reduce = {g: True for g in self.groups}  # set_requires_all_reduce
         self.unreduced = {g: False for g in self.groups}  # gradients kept unreduced since a backward
@@ -280,7 +279,7 @@ class Run:
 
     def grad_scale(self, name: str) -> float:
         """Sharded .grad = reference .grad * this (set_gradient_divide_factor)."""
-        factor = self.factor[owner_of(name, self.groups)]
+        factor = self.factor[self.owner[name]]
         return 1.0 if factor is None else self.world / factor
 
     # Executing ----------------------------------------------------------------------------
@@ -369,10 +368,8 @@ class Run:
         self._compare_with_fsdp2(cmd)
 
     def tolerance(self) -> dict:
-        if self.dtype == torch.float64:
-            return dict(rtol=1e-7, atol=1e-9)
         if self.spec.mp:
-            return dict(rtol=5e-2, atol=2e-2)
+            return dict(rtol=1e-1, atol=2e-2)  # of the largest element (see _compare); FSDP2 is compared tightly
         return dict(rtol=1e-4, atol=1e-5)
 
     def _compare(self, side: Side, what: str, got: torch.Tensor, want: torch.Tensor, tol: dict) -> None:
@@ -380,7 +377,9 @@ class Run:
             self._fail_or_drop(side, f"{what}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}")
             return
         diff = (got.double() - want.double()).abs()
-        bound = tol["atol"] + tol["rtol"] * want.double().abs()
+        # bf16 compute against an fp32 reference: its error scales with the tensor, not each element
+        scale = want.double().abs().max() if self.spec.mp else want.double().abs()
+        bound = tol["atol"] + tol["rtol"] * scale
         if bool((diff > bound).any()):
             self._fail_or_drop(side, f"{what}: max |diff| {diff.max().item():.3g} from the unsharded reference (tolerance {tol})")
 
@@ -393,13 +392,18 @@ class Run:
         if len(self.live_sides()) < 2:
             return
         mine, theirs = self.sides[0], self.sides[1]
-        for name in self.ref_params:
-            a, b = _full(mine.params[name]), _full(theirs.params[name])
+        pairs = [(f"parameter {name}", mine.params[name], theirs.params[name]) for name in self.ref_params]
+        if self.grads_complete():
+            pairs += [(f"gradient {name}", mine.params[name].grad, theirs.params[name].grad) for name in self.ref_params]
+        for what, a, b in pairs:
+            if a is None or b is None:
+                continue  # None and zeros: checked against the reference
+            a, b = _full(a), _full(b)
             if not torch.equal(a, b):
                 d = (a.double() - b.double()).abs().max().item()
-                bound = 1e-6 if not self.spec.mp else 1e-3
+                bound = FSDP2_TOLERANCE * (1 if not self.spec.mp else 100) * max(1.0, b.double().abs().max().item())
                 if d > bound:
-                    raise Failure(f"{cmd}: parameter {name} differs from FSDP2's by {d:.3g} (both agree with the reference within its tolerance)")
+                    raise Failure(f"{cmd}: {what} differs from FSDP2's by {d:.3g} (both agree with the reference within its tolerance)")
 
     def _check_collectives(self, cmd: tuple) -> None:
         if len(self.live_sides()) < 2:
@@ -596,8 +600,8 @@ KNOBS = {
 }
 
 
-def to_json(spec: Spec, commands: list[tuple], world: int) -> str:
-    return json.dumps({"world": world, "spec": asdict(spec), "commands": [list(c) for c in commands]})
+def to_json(spec: Spec, commands: list[tuple], world: int, tier: str = "gloo") -> str:
+    return json.dumps({"tier": tier, "world": world, "spec": asdict(spec), "commands": [list(c) for c in commands]})
 
 
 def from_json(text: str) -> tuple[int, Spec, list[tuple]]:

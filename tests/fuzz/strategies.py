@@ -42,16 +42,19 @@ def knob_calls() -> st.SearchStrategy[tuple]:
 
 
 def commands() -> st.SearchStrategy[tuple]:
-    """One call. Forward, backward and the step come often (a train step is the three)."""
+    """One call. Training calls come most often (a train step is forward, backward and the
+    optimizer step, checked after each), so that sequences reach second and third steps."""
+    train = st.tuples(st.just("train"), seeds)
+    forward = st.tuples(st.just("forward"), seeds)
     return st.one_of(
-        st.tuples(st.just("forward"), seeds),
-        st.just(("backward",)),
+        train, train, train,
+        forward, forward,
+        st.just(("backward",)), st.just(("backward",)),
         st.just(("step",)),
-        st.tuples(st.just("train"), seeds),
-        st.tuples(st.just("train"), seeds),
         st.just(("zero_grad",)),
         st.tuples(st.just("unshard"), targets, st.sampled_from(UNSHARD_HOWS)),
         st.tuples(st.just("reshard"), targets),
+        knob_calls(),
         knob_calls(),
         st.just(("state_dict_roundtrip",)),
         st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
@@ -60,5 +63,5 @@ def commands() -> st.SearchStrategy[tuple]:
     )
 
 
-def sequences(max_size: int = 12) -> st.SearchStrategy[list[tuple]]:
+def sequences(max_size: int = 14) -> st.SearchStrategy[list[tuple]]:
     return st.lists(commands(), min_size=1, max_size=max_size)

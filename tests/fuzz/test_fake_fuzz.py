@@ -13,26 +13,28 @@ from tests.fuzz import strategies
 from tests.fuzz.meshes import make_meshes
 from tests.fuzz.sequences import Run, to_json
 
-EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "150"))
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
-REPRO = os.environ.get("FUZZ_REPRO", "fuzz-repro-fake.json")
+REPRO = os.environ.get("FUZZ_REPRO_FAKE", "fuzz-repro-fake.json")
 
 
-def run_example(world: int, spec, commands) -> Run:
+def run_example(world: int, spec, commands, verbose: bool = False) -> Run:
     with fake_world(world):
         run = Run(spec, make_meshes(world), numerics=False, compare_collectives=True)
         try:
-            for cmd in commands:
+            for i, cmd in enumerate(commands):
                 run.execute(cmd)
+                if verbose:
+                    print(f"  {i:2d} {cmd}: {run.log[-1].split(': ')[-1]}")
         except AssertionError as e:
             with open(REPRO, "w") as f:
-                f.write(to_json(spec, commands, world=world) + "\n")
-            raise AssertionError(f"{e}\n(replay: python -m tests.fuzz.fuzz --replay {REPRO})") from None
+                f.write(to_json(spec, commands, world=world, tier="fake") + "\n")
+            raise AssertionError(f"{e}\n(shrunk repro: python -m tests.fuzz.fuzz --replay {REPRO})") from None
     return run
 
 
 @seed(SEED)
-@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_call_sequences_issue_fsdp2s_collectives(data):
     world = data.draw(st.sampled_from([2, 4, 8]), label="world")
