@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -31,7 +32,7 @@ WORLD = 2
 TIMEOUT_S = 60  # a collective one rank never joins raises after this long (a hang is a failure)
 
 
-def run_example(spec: Spec, commands: list[tuple], meshes: dict, verbose: bool = False) -> str | None:
+def run_example(spec: Spec, commands: list[tuple], meshes: dict, verbose: bool = False, stats: dict | None = None) -> str | None:
     """Run one example on every rank in lockstep; the first failure (same text on every rank), or None."""
     problem = None
     run = None
@@ -54,6 +55,12 @@ def run_example(spec: Spec, commands: list[tuple], meshes: dict, verbose: bool =
             print(f"  {i:2d} {cmd}: {'ok' if problem is None else 'FAILED'}", flush=True)
         if problem is not None:
             return problem
+    if stats is not None:
+        stats["calls"] += sum(1 for line in run.log if line.endswith(": ok"))
+        stats["skipped"] += sum(1 for line in run.log if "skipped" in line)
+        torch_side = run.sides[1]
+        why = "compared to the end" if torch_side.alive else re.sub(r"^\(.*?\): ", "", torch_side.why_out)[:90]
+        stats["fsdp2"][why] = stats["fsdp2"].get(why, 0) + 1
     if verbose and dist.get_rank() == 0:
         for side in run.sides:
             print(f"  {side.impl}: {'compared to the end' if side.alive else 'out: ' + side.why_out}")
@@ -91,25 +98,33 @@ def follow(meshes: dict) -> None:
 
 
 def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> dict:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import seed as with_seed
-    from hypothesis import strategies as st
-
     from tests.fuzz import strategies
 
-    stats = {"examples": 0, "first_failure_at": None, "rounds": 0, "seeds": [], "failure": None}
+    stats = {"examples": 0, "first_failure_at": None, "rounds": 0, "seeds": [], "failure": None, "calls": 0, "skipped": 0, "fsdp2": {}}
 
     def check(data):
         spec = data.draw(strategies.specs(WORLD), label="spec")
         commands = data.draw(strategies.sequences(), label="commands")
         stats["examples"] += 1
         _send((spec, commands))
-        problem = run_example(spec, commands, meshes)
+        problem = run_example(spec, commands, meshes, stats=stats)
         if problem is not None:
             if stats["first_failure_at"] is None:
                 stats["first_failure_at"] = stats["examples"]
             Path(repro).write_text(to_json(spec, commands, world=WORLD) + "\n")
             raise AssertionError(problem)
+
+    try:
+        _rounds(check, stats, seed, examples, seconds, repro)
+    finally:
+        _send(None)  # the follower stops, whatever happened here
+    return stats
+
+
+def _rounds(check, stats: dict, seed: int, examples: int, seconds: float, repro: str) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as with_seed
+    from hypothesis import strategies as st
 
     start = time.monotonic()
     round_seed = seed
@@ -130,9 +145,7 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
         round_seed += 1
         if time.monotonic() - start >= seconds:
             break
-    _send(None)
     stats["seconds"] = round(time.monotonic() - start, 1)
-    return stats
 
 
 def replay(meshes: dict, path: str) -> str | None:
