@@ -131,3 +131,45 @@ def test_force_sum_reduction_sums_in_the_collective_and_divides_after(monkeypatc
         model.set_force_sum_reduction_for_comms(True)
         model(torch.randn(4, 8)).sum().backward()
     assert set(map(str, ops)) == {str(dist.ReduceOp.SUM)}
+
+
+# Found by the fuzzer: FSDP2's set_requires_gradient_sync(v) sets requires_all_reduce(v) too;
+# shardkit left a False all-reduce in place, so HSDP replicas silently kept diverged sums.
+def test_set_requires_gradient_sync_sets_requires_all_reduce_as_fsdp2():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = TwoBlocks()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_requires_all_reduce(False)
+        model.set_requires_gradient_sync(True)
+        with shardkit.trace() as t:
+            model(torch.randn(4, 8)).sum().backward()
+        assert len(t.collectives("all_reduce")) == 3  # one per group, over the replicas
+        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(True)
+        with shardkit.trace() as t:
+            model(torch.randn(4, 8)).sum().backward()
+        assert len(t.collectives("all_reduce")) == 3
+
+
+# Found by the fuzzer: with HSDP, FSDP2 averages in both collectives on NCCL; shardkit summed
+# and divided after (the same numbers, but not FSDP2's collectives, and an extra kernel).
+def test_hsdp_reductions_average_in_both_collectives_as_fsdp2():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = TwoBlocks()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with shardkit.trace() as t:
+            model(torch.randn(4, 8)).sum().backward()
+    ops = [(e.kind, e.op, e.divide_by) for e in t.collectives() if e.kind != "all_gather"]
+    assert sorted(ops) == [("all_reduce", "avg", 1)] * 3 + [("reduce_scatter", "avg", 1)] * 3  # nothing divided after

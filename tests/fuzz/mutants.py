@@ -1,0 +1,123 @@
+"""One-line mutants of the runtime, and which test tier kills each.
+
+    python -m tests.fuzz.mutants [--only NAME ...] [--full]
+
+Each mutant is one edited line of shardkit/, applied to a copy of the working tree (the
+checkout is never touched). For each, in order, until one kills it (fails):
+
+1. ``fake fuzz``: tests/fuzz/test_fake_fuzz.py (fake process group, against FSDP2);
+2. ``gloo fuzz``: tests/fuzz/test_gloo_fuzz.py (2 gloo ranks, numerics);
+3. ``test-fast``: the rest of the in-process tier (unit, fake, planner, regressions);
+4. with ``--full``: every other test, then the simulated-streams tier (make test's rerun).
+
+It prints a markdown table: the mutant, the tier that killed it, and that tier's first
+failure line. A mutant no tier kills is a hole in the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# name: (file, the line as it is, the line as the mutant has it, what it breaks)
+MUTANTS = {
+    "stale-mark-dropped": ("shardkit/optim.py", "group.layout.gathered_version = None", "pass",
+                           "an optimizer step no longer marks gathered data stale"),
+    "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and how.divide_by == ranks and", "if averages and",
+                                "the backend averages even when the user's divide factor is not the world"),
+    "force-sum-ignored": ("shardkit/comm/collectives.py", "and not how.force_sum and", "and",
+                          "bug 3: set_force_sum_reduction_for_comms(True) changes nothing"),
+    "all-gather-not-waited": ("shardkit/comm/collectives.py", "    pending.handle.wait()\n    _copy_out", "    _copy_out",
+                              "copy-out without waiting for the all-gather"),
+    "no-reshard-after-forward": ("shardkit/schedule.py", "            elif reshard:\n                group.reshard()", "            elif reshard:\n                pass",
+                                 "reshard_after_forward=True keeps the parameters unsharded"),
+    "padding-off-by-one": ("shardkit/dtensor/placements.py", "return math.ceil(rows / world) if rows else 0", "return math.ceil(rows / world) + 1 if rows else 0",
+                           "every shard padded by one row too many"),
+    "prefetch-wrong-group": ("shardkit/schedule.py", "targets = order[i : i + 1]", "targets = order[i + 1 : i + 2]",
+                             "forward prefetch issues the group after the next one"),
+    "root-reduce-dropped": ("shardkit/schedule.py", "            else:\n                self._reduce(state)", "            elif state is not self.states[0]:\n                self._reduce(state)",
+                            "the root group's gradients are never reduced"),
+    "all-gather-reused-across-steps": ("shardkit/param_group.py", "return self.layout.gathered_version == self._shard_version()", "return True",
+                                       "kept unsharded data is reused after an optimizer step"),
+    "unshard-before-forward": ("shardkit/dtensor/replaced.py", "if registered is p.sharded_param or registered is p.unsharded_param:", "if registered is p.sharded_param:",
+                               "bug 1: an explicit unshard() before the first forward replaces the parameters"),
+    "no-division-after-sum": ("shardkit/comm/collectives.py", "        reduced.div_(pending.divide_by)", "        pass",
+                              "summed gradients are not divided (gloo, divide factors)"),
+    "unused-grads-zero": ("shardkit/comm/collectives.py", "counts[i] > 0:", "counts[i] >= 0:",
+                          "a parameter no rank used gets a zero .grad instead of None"),
+}
+
+PY = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+TIERS = [
+    ("fake fuzz", PY + ["tests/fuzz/test_fake_fuzz.py"]),
+    ("gloo fuzz", PY + ["tests/fuzz/test_gloo_fuzz.py"]),
+    ("test-fast", PY + ["-m", "not subprocess and not slow", "--ignore=tests/fuzz", "tests"]),
+]
+FULL = [
+    ("make test (rest)", PY + ["-m", "subprocess or slow", "--ignore=tests/fuzz", "tests"]),
+    ("test-sim", PY + ["tests/unit", "tests/fake", "tests/gloo/test_training_parity.py", "tests/gloo/test_composition.py"], {"SHARDKIT_STREAMS": "sim"}),
+]
+
+
+def copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", ".pytest_cache", "*.egg-info", "runs", "fuzz-repro*.json")
+    shutil.copytree(ROOT, dst, ignore=ignore)
+
+
+def mutate(tree: Path, file: str, old: str, new: str) -> None:
+    path = tree / file
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"mutant does not apply: {file} holds {text.count(old)} copies of {old!r}")
+    path.write_text(text.replace(old, new))
+
+
+def first_failure(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith(("E ", "FAILED", "AssertionError")) or "Failure:" in line:
+            return line.strip()[:160]
+    return output.strip().splitlines()[-1][:160] if output.strip() else "(no output)"
+
+
+def run_mutant(name: str, full: bool) -> tuple[str, str, float]:
+    file, old, new, _ = MUTANTS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        copy_tree(tree)
+        mutate(tree, file, old, new)
+        start = time.monotonic()
+        tiers = TIERS + (FULL if full else [])
+        for tier in tiers:
+            label, cmd, extra = (*tier, {})[:3]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                return label, first_failure(proc.stdout + proc.stderr), time.monotonic() - start
+        return "survived", "", time.monotonic() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.mutants")
+    parser.add_argument("--only", nargs="*", default=list(MUTANTS))
+    parser.add_argument("--full", action="store_true", help="run make test's other tiers on mutants the fast ones miss")
+    args = parser.parse_args()
+    print("| mutant | what it breaks | killed by | first failure | s |")
+    print("|---|---|---|---|---|")
+    survivors = 0
+    for name in args.only:
+        tier, why, seconds = run_mutant(name, args.full)
+        survivors += tier == "survived"
+        print(f"| {name} | {MUTANTS[name][3]} | {tier} | {why.replace('|', '/')} | {seconds:.0f} |", flush=True)
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
