@@ -179,19 +179,11 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     sum of ``world`` gradients cannot overflow (FSDP2's pre/post factors). With
     ``how.replicate`` (HSDP), the reduced chunk is then all-reduced over the replicas; with
     ``how.keep_partial`` it is not, and is kept (undivided) for the next reduction to add.
+    ``_reduce_ops`` picks the ops (SUM, or AVG where the backend averages).
     """
     world, n = comm.world, len(bucket.params)
-    pre, post = _divide_factors(how.divide_by, bucket.dtype)
+    pre, post, op, replicate_op = _reduce_ops(comm, how, bucket.dtype)
     plain = how.custom is None and how.hook is None and how.replicate is None and how.keep_partial is None and how.partial is None
-    # fp32/bf16 divided by the ranks: the backend averages (as FSDP2), no division after; with
-    # HSDP in both collectives (the shard dim's average, averaged over the replicas).
-    op = replicate_op = dist.ReduceOp.SUM
-    comms = (comm,) if how.replicate is None else (comm, how.replicate)
-    ranks = math.prod(c.world for c in comms)
-    averages = all(c.averages or c.world == 1 for c in comms) and bucket.dtype in (torch.float32, torch.bfloat16)
-    if averages and how.divide_by == ranks and not how.force_sum and how.custom is None and how.hook is None:
-        op, replicate_op = (_average(c) for c in (comm, how.replicate or comm))
-        post = 1
     missing = [i for i, g in enumerate(grads) if g is None]
     numel = world * (bucket.per_rank + n)
     # gloo's reduce_scatter is slow: over one dim an all-to-all (the same bytes) and the sum
@@ -238,6 +230,19 @@ def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, 
     chunk = custom.allocate((chunk_numel,), dtype=send.dtype, device=send.device)
     work = custom(output_tensor=chunk, input_tensor=buffer, group=group, op=dist.ReduceOp.SUM, async_op=async_op)
     return work, chunk, buffer
+
+
+def _reduce_ops(comm: Comm, how: Reduction, dtype: torch.dtype) -> tuple[float, float, Any, Any]:
+    """(divide before, divide after, the reduce-scatter's op, the HSDP all-reduce's op). SUM
+    and a division, except for fp32/bf16 divided by the ranks on a backend that averages
+    (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
+    divided after; not with a user's collective, hook or ``set_force_sum_reduction_for_comms``."""
+    pre, post = _divide_factors(how.divide_by, dtype)
+    comms = (comm,) if how.replicate is None else (comm, how.replicate)
+    averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16)
+    if averages and how.divide_by == math.prod(c.world for c in comms) and not how.force_sum and how.custom is None and how.hook is None:
+        return pre, 1, _average(comm), _average(how.replicate or comm)
+    return pre, post, dist.ReduceOp.SUM, dist.ReduceOp.SUM
 
 
 def _average(comm: Comm):

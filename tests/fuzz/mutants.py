@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = {
     "stale-mark-dropped": ("shardkit/optim.py", "group.layout.gathered_version = None", "pass",
                            "an optimizer step no longer marks gathered data stale"),
-    "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and how.divide_by == ranks and", "if averages and",
+    "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and how.divide_by == math.prod(c.world for c in comms) and", "if averages and",
                                 "the backend averages even when the user's divide factor is not the world"),
     "force-sum-ignored": ("shardkit/comm/collectives.py", "and not how.force_sum and", "and",
                           "bug 3: set_force_sum_reduction_for_comms(True) changes nothing"),
