@@ -55,6 +55,7 @@ class Spec:
     mp: bool = False  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     reshard: Any = True  # the blocks' reshard_after_forward: True, False, or an int
     mesh: str = "1d"  # "1d" | "hsdp" (replicate, shard) = (2, world/2) | "hsdp1" = (1, world)
+    foreach: bool = False  # AdamW's multi-tensor path, which bumps no version counter
 
 
 class Boom(RuntimeError):
@@ -259,10 +260,10 @@ class Run:
     # Bookkeeping --------------------------------------------------------------------------
     def _new_optimizers(self) -> None:
         self.ref_params = dict(self.reference.named_parameters())
-        self.ref_optim = torch.optim.AdamW(self.ref_params.values(), lr=LR)
+        self.ref_optim = torch.optim.AdamW(self.ref_params.values(), lr=LR, foreach=self.spec.foreach)
         for side in self.live_sides():
             side.params = dict(side.model.named_parameters())
-            side.optim = torch.optim.AdamW(side.params.values(), lr=LR)
+            side.optim = torch.optim.AdamW(side.params.values(), lr=LR, foreach=self.spec.foreach)
 
     def live_sides(self) -> list[Side]:
         return [s for s in self.sides if s.alive]
@@ -500,6 +501,8 @@ class Run:
                 return self.idle() and all(p.grad is None for p in self.ref_params.values())
             if knob in ("requires_gradient_sync", "requires_all_reduce"):
                 return self.ref_loss is None  # the bookkeeping decides at backward
+            if knob == "lockstep":
+                return self.ref_loss is None  # between steps
             return True
         if side is None:
             recursive = KNOBS[knob][1]
@@ -517,9 +520,17 @@ class Run:
             value = [side.model.get_submodule(n) for n in value]
         if knob == "modules_to_backward_prefetch":
             value = [side.model.get_submodule(n) for n in value]
-        if knob == "is_last_backward":
+        if knob in ("is_last_backward", "lockstep"):  # the root's
             module = side.model
-        getattr(module, f"set_{knob}")(value)
+        if knob == "all_reduce_hook":
+            module.set_all_reduce_hook(_leave_as_is)
+        elif knob == "custom_comms":
+            from tests.gloo.extension_tensors import UserComm
+
+            module.set_custom_all_gather(UserComm("all_gather"))
+            module.set_custom_reduce_scatter(UserComm("reduce_scatter"))
+        else:
+            getattr(module, f"set_{knob}")(value)
         return True
 
     def do_state_dict_roundtrip(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
@@ -576,6 +587,10 @@ class Run:
         return True
 
 
+def _leave_as_is(reduced: torch.Tensor) -> None:
+    """An all-reduce hook that changes nothing (it moves the reduction to the hook's route)."""
+
+
 def _tied_name(name: str, params: dict) -> str:
     """``head.weight`` of a tied model is ``emb.weight`` in ``named_parameters``."""
     return "emb.weight" if name == "head.weight" else name
@@ -597,6 +612,10 @@ KNOBS = {
     "reduce_scatter_max_input_buffers": ("buffers", True),
     "modules_to_forward_prefetch": ("prefetch", False),
     "modules_to_backward_prefetch": ("prefetch", False),
+    "reduce_scatter_unused_params": ("bool", True),
+    "all_reduce_hook": ("on", False),  # a hook that changes nothing
+    "custom_comms": ("on", False),  # set_custom_all_gather / set_custom_reduce_scatter (plain torch.distributed)
+    "lockstep": ("bool", False),  # shardkit only: FSDP2 has no set_lockstep
 }
 
 

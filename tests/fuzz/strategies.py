@@ -23,6 +23,7 @@ def specs(draw, world: int) -> Spec:
         mp=draw(st.booleans()),
         reshard=draw(st.sampled_from([True, False, *ints])),
         mesh=mesh,
+        foreach=draw(st.booleans()),
     )
 
 
@@ -32,6 +33,7 @@ def _knob_values(kind: str) -> st.SearchStrategy:
         "factor": st.sampled_from([1.0, 4.0]),
         "buffers": st.integers(1, 3),
         "prefetch": st.sampled_from([[], ["blocks.1"], ["blocks.0"], ["blocks.0", "blocks.1"]]),
+        "on": st.just(True),
     }[kind]
 
 
