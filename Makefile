@@ -18,7 +18,7 @@ ARGS ?=
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: venv demo bench test test-sim gpu-check accept clean distclean
+.PHONY: venv demo bench test test-fast test-all test-sim fuzz gpu-check accept clean distclean
 
 venv: $(STAMP)
 
@@ -47,19 +47,47 @@ $(BENCH_STAMP): $(STAMP)
 	$(VENV)/bin/pip install "$(BENCH_DEPS)"
 	touch $@
 
-# Every test, then the fake-process-group and gloo parity tiers once more with SHARDKIT_STREAMS=sim:
-# shardkit takes its CUDA path on simulated streams, and every tensor access is checked for
-# races (shardkit/comm/sim.py); each process prints "sim streams: N accesses checked, ...".
+# One thread per rank and per test process: the ranks share the 2 cores.
+PYTEST = OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q
+
+# The quick tier, under a minute on 2 cores: every test that starts no process and is not
+# slow (unit, fake process group, planner, the fuzzer's fake-PG part). The marks are set in
+# tests/conftest.py; --forbid-subprocess fails a test that starts a process without its mark.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not subprocess and not slow" --forbid-subprocess tests
+
+# Every test, and the fake-process-group and gloo parity tiers once more with
+# SHARDKIT_STREAMS=sim (test-sim): shardkit takes its CUDA path on simulated streams, and every
+# tensor access is checked for races (shardkit/comm/sim.py); each gloo module must leave
+# accesses checked and no race ("sim streams: N accesses checked, ..."). Two lanes at once, as
+# gloo ranks wait on each other much of the time and one lane alone leaves a core idle: the
+# tests but tests/examples here, test-sim then tests/examples beside them (their output after).
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests
-	$(MAKE) --no-print-directory test-sim
+	@log=$$(mktemp); \
+	( $(MAKE) --no-print-directory test-sim; sim=$$?; echo "$(PYTEST) tests/examples"; $(PYTEST) tests/examples; \
+	  examples=$$?; exit $$(( sim || examples )) ) > $$log 2>&1 & side=$$!; \
+	echo "$(PYTEST) tests --ignore=tests/examples  (beside it: make test-sim, then tests/examples)"; \
+	$(PYTEST) tests --ignore=tests/examples; main=$$?; \
+	wait $$side; side_rc=$$?; cat $$log; rm -f $$log; \
+	test $$main = 0 && test $$side_rc = 0
+
+# Every test in one run (make test but for test-sim, and one lane).
+test-all: $(STAMP)
+	$(PYTEST) tests
 
 test-sim: $(STAMP)
-	SHARDKIT_STREAMS=sim OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(SIM_TESTS)
+	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS)
+
+# The differential fuzzer for FUZZ_S seconds (a third on the fake process group, the rest on 2
+# gloo ranks); prints its seed (rerun one with FUZZ_SEED=N) and shrinks a failure to a repro
+# file: make fuzz REPLAY=fuzz-repro.json replays it call by call. make test runs a fixed budget.
+FUZZ_S ?= 600
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m tests.fuzz.fuzz $(if $(REPLAY),--replay $(REPLAY),--seconds $(FUZZ_S) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED)))
 
 # On a machine with a GPU: the tests/gpu tier, NCCL world-1 parity, overlap, memory and step time
 # next to FSDP2 (benchmarks/gpu_check.py). Run it first whenever a GPU is lent.

@@ -130,8 +130,9 @@ class FSDPModule:
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each reduced gradient buffer of this group (this rank's flat
-        chunk, in ``reduce_dtype``, before the division by the world size): after the HSDP
-        all-reduce, or after the reduce-scatter without one. The hook may edit it in place.
+        chunk, in ``reduce_dtype``, as the collectives left it: averaged where the backend
+        averages, NCCL with fp32/bf16, else summed and not yet divided, as FSDP2): after the
+        HSDP all-reduce, or after the reduce-scatter without one. The hook may edit it in place.
         ``stream`` (CUDA, not with HSDP): run the hook on it."""
         state = self._shardkit()
         if stream is not None and state.group is not None and state.group.meshes[0].ndim == 2:

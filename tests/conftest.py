@@ -1,4 +1,7 @@
 import contextlib
+import multiprocessing.util
+import os
+import subprocess
 
 import pytest
 import torch.distributed as dist
@@ -37,3 +40,94 @@ class TanhStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(x)
+
+
+# Test tiers ----------------------------------------------------------------------------------
+# ``subprocess``: the test starts other processes (gloo ranks, torchrun, a script). ``slow``: it
+# takes long in this process. ``make test-fast`` runs neither (pytest -m "not subprocess and
+# not slow" --forbid-subprocess); ``make test`` runs everything. Both marks are set here, so
+# that a new test lands in the right tier by what it uses: a test that asks for a fixture that
+# spawns, sits under a path below, or is a fuzzer test not named test_fake_*, is ``subprocess``;
+# a test may also mark itself. --forbid-subprocess fails a test that starts a process without
+# the mark, so that a test missing here cannot slip into the quick tier.
+SPAWNING_FIXTURES = {"gloo_outcomes", "gloo_runs"}  # tests/gloo/conftest.py: the checks run in spawned ranks
+SPAWNING_PATHS = (  # node id prefixes: tests that spawn in their body or their own fixtures
+    "tests/examples/",  # torchrun of the examples and the demo
+    "tests/checkpoint/test_resume.py",  # resume_worker.py in fresh processes
+    "tests/gloo/test_trace_env.py",  # torchrun, then python -m shardkit timeline
+    "tests/fake/test_docs.py::test_the_two_block_script_prints_what_the_design_doc_shows",  # python -c
+    "tests/planner/test_plan.py::test_cli_json_and_table",  # python -m shardkit plan
+)
+SLOW_PATHS = (
+    "tests/planner/test_plan.py::test_llama_70b_at_world_64_plans_within_30_seconds",  # ~4 s
+)
+
+
+def _spawns(item) -> bool:
+    path = item.nodeid.split("::")[0]
+    # the fuzzer: its fake-process-group part (test_fake_*.py) runs in this process, the rest on gloo ranks
+    fuzz_on_ranks = path.startswith("tests/fuzz/") and not path.rsplit("/", 1)[-1].startswith("test_fake_")
+    return bool(SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ()))) or item.nodeid.startswith(SPAWNING_PATHS) or fuzz_on_ranks
+
+
+def pytest_addoption(parser):
+    parser.addoption("--forbid-subprocess", action="store_true",
+                     help="fail a test that starts a process (make test-fast): mark it subprocess in tests/conftest.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _spawns(item):
+            item.add_marker(pytest.mark.subprocess)
+        if item.nodeid.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.config.getoption("forbid_subprocess") or item.get_closest_marker("subprocess"):
+        return (yield)
+    with _no_new_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    started = item.stash.get(_STARTED, None)
+    if started and report.passed:  # the test swallowed the error: fail it all the same
+        report.outcome, report.longrepr = "failed", _forbidden(item, started[0])
+    if started:
+        started.clear()
+    return report
+
+
+_STARTED = pytest.StashKey[list]()
+
+
+def _forbidden(item, what: str) -> str:
+    return (f"{item.nodeid} started a process ({what}) under --forbid-subprocess (make test-fast): "
+            "mark it subprocess, e.g. in SPAWNING_PATHS of tests/conftest.py, or give it a spawning fixture")
+
+
+@contextlib.contextmanager
+def _no_new_processes(item):
+    """Every way of starting a process raises, and is remembered for the report."""
+    item.stash[_STARTED] = []
+    patched = [(subprocess.Popen, "__init__"), (os, "fork"), (os, "forkpty"), (os, "posix_spawn"),
+               (os, "posix_spawnp"), (os, "system"), (multiprocessing.util, "spawnv_passfds")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched if hasattr(owner, name)]
+
+    def refuse(name):
+        def raising(*args, **kwargs):
+            item.stash[_STARTED].append(name)
+            raise RuntimeError(_forbidden(item, name))
+        return raising
+
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}"))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -236,11 +236,12 @@ def _reduce_ops(comm: Comm, how: Reduction, dtype: torch.dtype) -> tuple[float, 
     """(divide before, divide after, the reduce-scatter's op, the HSDP all-reduce's op). SUM
     and a division, except for fp32/bf16 divided by the ranks on a backend that averages
     (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
-    divided after; not with a user's collective, hook or ``set_force_sum_reduction_for_comms``."""
+    divided after; not with a user's collective or ``set_force_sum_reduction_for_comms``. (An
+    all-reduce hook sees the chunk as the collectives left it, before any division: as FSDP2.)"""
     pre, post = _divide_factors(how.divide_by, dtype)
     comms = (comm,) if how.replicate is None else (comm, how.replicate)
     averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16)
-    if averages and how.divide_by == math.prod(c.world for c in comms) and not how.force_sum and how.custom is None and how.hook is None:
+    if averages and how.divide_by == math.prod(c.world for c in comms) and not how.force_sum and how.custom is None:
         return pre, 1, _average(comm), _average(how.replicate or comm)
     return pre, post, dist.ReduceOp.SUM, dist.ReduceOp.SUM
 

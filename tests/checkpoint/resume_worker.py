@@ -8,6 +8,9 @@ that dies before it is published), ``save-async`` (5 steps, an asynchronous save
 is published), ``refuse`` (load CKPT, expecting a CheckpointError). Rank 0 writes
 ``{"losses": [...], "params": {name: full tensor as list}}`` or the error to OUT.
 The global batch of a step is the same at every world size; each rank takes its chunk.
+
+``python resume_worker.py serve``: a fork server for the tests (``serve``), so that torch and
+shardkit are imported once for all their runs instead of once per run.
 """
 
 import json
@@ -15,6 +18,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -100,11 +104,52 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> Non
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    mode, world, ckpt, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def main(mode: str, world: int, ckpt: str, out: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.set_num_threads(1)
     # fork: the ranks start without importing torch again (CPU only, nothing initialized yet)
     mp.start_processes(run, args=(world, port, mode, ckpt, out), nprocs=world, start_method="fork")
+
+
+def serve() -> None:
+    """One run per line of stdin, ``{"argv": [MODE, WORLD, CKPT, OUT], "env": {...}, "log": path}``:
+    a child forked from this process (which has only imported torch and shardkit) runs it as
+    ``python resume_worker.py MODE WORLD CKPT OUT`` would, its output to ``log``, in a session
+    of its own (killpg takes its ranks too). Answers two lines: ``{"pid": ...}`` when it starts,
+    ``{"returncode": ...}`` when it ends."""
+    global DROPOUT
+    while line := sys.stdin.readline():
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(request["env"])
+                DROPOUT = float(os.environ.get("DROPOUT", "0.1"))
+                mode, world, ckpt, out = request["argv"]
+                main(mode, int(world), ckpt, out)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        serve()
+    else:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -3,24 +3,95 @@
 
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 WORKER = Path(__file__).with_name("resume_worker.py")
+TIMEOUT_S = 180  # one run
+
+
+class ForkServer:
+    """``resume_worker.py serve``: each run a fresh child forked from one process that imported
+    torch and shardkit once (seconds per run saved), as ``python resume_worker.py ...`` would run."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+
+    def run(self, argv: list[str], env: dict[str, str], log: Path) -> int:
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, str(WORKER), "serve"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                         stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, bufsize=0)
+            self.buffer = b""
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n").encode())
+            pid = self._answer(deadline)["pid"]
+        except BaseException:
+            self.close(kill=True)  # a server that does not start runs is no use: the next run starts another
+            raise
+        try:
+            return self._answer(deadline)["returncode"]
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)  # the run and its ranks; the server answers and goes on
+            try:
+                self._answer(time.monotonic() + 30)
+            except BaseException:
+                self.close(kill=True)
+            raise
+
+    def _answer(self, deadline: float) -> dict:
+        while b"\n" not in self.buffer:
+            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise TimeoutError(f"no answer from {WORKER.name} serve in time")
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"{WORKER.name} serve exited ({self.proc.wait()})")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if kill:
+            self.proc.kill()
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+_server: ForkServer | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    global _server
+    _server = ForkServer()
+    yield _server
+    _server.close()
+    _server = None
 
 
 def run(tmp: Path, mode: str, world: int, ckpt: Path, dropout: float = 0.1) -> dict:
     out = tmp / f"{mode}-{world}-{ckpt.name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DROPOUT": str(dropout)}
-    done = subprocess.run([sys.executable, str(WORKER), mode, str(world), str(ckpt), str(out)],
-                          env=env, capture_output=True, text=True, timeout=180)
+    log = tmp / f"{mode}-{world}-{ckpt.name}.log"
+    returncode = _server.run([mode, str(world), str(ckpt), str(out)], {"DROPOUT": str(dropout)}, log)
     if not mode.startswith("crash"):
-        assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text()) if out.exists() else {"returncode": done.returncode}
+        assert returncode == 0, log.read_text()[-3000:]
+    return json.loads(out.read_text()) if out.exists() else {"returncode": returncode}
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ CASES = {
     "hsdp-kept-averaged-then-summed": ((2, 2), [(False, False), (True, True)]),
     "hsdp-kept-summed-then-averaged": ((2, 2), [(False, True), (True, False)]),
 }
+HALVING_HOOK = ("1d", "hsdp")  # also with an all-reduce hook that halves what the collectives left
 
 
 @pytest.fixture
@@ -55,16 +56,17 @@ def averaging_backend(monkeypatch):
     monkeypatch.setattr(collectives.Comm, "of", classmethod(of))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *(f"{c}+halving-hook" for c in HALVING_HOOK)])
 def test_averaging_reductions_give_the_unsharded_gradients(case, averaging_backend):
-    shape, microbatches = CASES[case]
+    shape, microbatches = CASES[case.removesuffix("+halving-hook")]
+    halve = case.endswith("+halving-hook")
     torch.manual_seed(0)
     reference = Net()
     g = torch.Generator().manual_seed(1)
     inputs = [[torch.randn(2, 8, generator=g) for _ in range(WORLD)] for _ in microbatches]  # [microbatch][rank]
     for batch in inputs:  # the gradient of the mean over ranks, summed over microbatches
         (sum(reference(x).sum() for x in batch) / WORLD).backward()
-    want = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    want = {name: p.grad.clone() * (0.5 if halve else 1) for name, p in reference.named_parameters()}
 
     def rank_main(rank: int):
         names = ("replicate", "shard") if len(shape) == 2 else None
@@ -75,6 +77,9 @@ def test_averaging_reductions_give_the_unsharded_gradients(case, averaging_backe
             shardkit.fully_shard(block, mesh=mesh)
         shardkit.fully_shard(model, mesh=mesh)
         groups = [m for m in model.modules() if isinstance(m, shardkit.FSDPModule)]
+        if halve:
+            for m in groups:
+                m.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
         with shardkit.trace() as t:
             for batch, (all_reduce, force_sum) in zip(inputs, microbatches):
                 for m in groups:

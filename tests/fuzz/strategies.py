@@ -66,4 +66,5 @@ def commands() -> st.SearchStrategy[tuple]:
 
 
 def sequences(max_size: int = 14) -> st.SearchStrategy[list[tuple]]:
-    return st.lists(commands(), min_size=1, max_size=max_size)
+    """A few knobs set first (where each can matter for the whole sequence), then the calls."""
+    return st.builds(lambda knobs, calls: knobs + calls, st.lists(knob_calls(), max_size=3), st.lists(commands(), min_size=1, max_size=max_size))

@@ -1,20 +1,33 @@
-"""Run a test module's checks on real gloo ranks, spawned once per module.
+"""Run test modules' checks on real gloo ranks, spawned once for many modules.
 
-Spawning ranks costs seconds, so a test module registers its checks with ``Checks`` and
-the module-scoped fixture ``gloo_outcomes`` (conftest.py) runs the module file itself as
-``world`` worker processes. Each worker runs every check in order and writes one JSON file
-of outcomes ("passed" or a traceback) after each check, so a crash or a hang still leaves
-the outcomes so far. Each pytest item then asserts one check's outcome on every rank.
+Spawning ranks costs seconds (each rank imports torch and shardkit: far longer than most
+modules' checks take), so a test module registers its checks with ``Checks`` and the
+module-scoped fixture ``gloo_outcomes`` (conftest.py) asks for the outcomes of its module.
+The first such request spawns ``world`` worker processes (``python gloo_harness.py``) that
+run the checks of every gloo module pytest selected with the same world, one module after
+the other (a ``Batch``); each later module then finds its outcomes ready. Only the cases
+pytest selected run (``pytest -k`` narrows the spawned ranks' work too).
+
+Each worker runs the checks in order and writes one JSON file of outcomes ("passed" or a
+traceback) after each check, so a crash or a hang still leaves the outcomes so far. A
+module that crashes or hangs the ranks (``TIMEOUT_S`` per module) gets the outcomes it had;
+the modules after it run in a fresh spawn. Each pytest item then asserts one check's
+outcome on every rank.
 
 A check must keep the ranks in step: it makes every pass/fail decision on values that are
 equal on all ranks (all-reduced losses, full tensors) or after its last collective, and it
 communicates only over its own mesh, a fresh process group. A check that raises on one rank
 only leaves the other blocked on that group until CHECK_TIMEOUT_S; then the ranks meet
 again on the default group and go on with the next check.
+
+A module also runs on its own as a script, ``python <module> <out_dir> <init_file>`` with
+RANK and WORLD_SIZE set (``run_worker``): every check, or the cases named in the JSON list
+of SHARDKIT_GLOO_CASES.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -22,18 +35,21 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 CHECK_TIMEOUT_S = 10  # a check's collective that another rank never joins raises after this long
 SYNC_TIMEOUT_S = 60  # ranks wait this long for each other between checks: longer than the above
+TIMEOUT_S = 110  # a module that runs longer is killed with its ranks (the first includes start-up)
 PASSED = "passed"
 IMPLS = ("shardkit", "torch")  # torch: torch.distributed.fsdp.fully_shard, to validate the check
+CASES_ENV = "SHARDKIT_GLOO_CASES"  # run_worker: a JSON list of case names to run (default all)
+FIXTURE = "gloo_outcomes"  # the fixture of a test item that asserts a case's outcome (conftest.py)
 
 
 @dataclass(frozen=True)
@@ -47,7 +63,7 @@ class Case:
 
 # ``SHARDKIT_STREAMS=sim`` (make test's second run): shardkit takes its CUDA path over simulated
 # streams that check every access (shardkit/comm/sim.py). Only shardkit's cases run then; each
-# rank prints the checker's summary at exit, which the parent requires (see Outcomes).
+# module must leave accesses checked, cross-stream edges and no race (see Outcomes).
 SIM = os.environ.get("SHARDKIT_STREAMS") == "sim"
 SIM_SUMMARY = re.compile(r"sim streams: (\d+) accesses checked, (\d+) cross-stream edges, (\d+) races")
 
@@ -77,30 +93,113 @@ class Checks:
         self._fns[case.check][0](mesh, case.impl)
 
 
+def select_cases(cases: list[Case], names: Iterable[str] | None) -> list[Case]:
+    """The ``cases`` named in ``names`` (``str(case)``), in their registration order; all of
+    them for None. A name that is no case is an error (a stale selection)."""
+    if names is None:
+        return list(cases)
+    wanted = set(names)
+    unknown = wanted - {str(c) for c in cases}
+    if unknown:
+        raise ValueError(f"no such gloo cases: {sorted(unknown)}; known: {[str(c) for c in cases]}")
+    return [c for c in cases if str(c) in wanted]
+
+
 # Worker side -----------------------------------------------------------------------------
+# A worker's plan: [{"file": <test module>, "cases": [<case name>, ...] or null (all)}, ...].
+# Its JSON file (out_dir/rank<R>.json) after each step:
+#   {"current": <file>, "modules": {<file>: {"outcomes": {case: outcome}, "done": bool,
+#       "narrowed": bool (some cases only), "seconds": float, "sim": <summary> (SIM only),
+#       "error": <traceback> (only where the module did not import)}}}
+
+
 def run_worker(checks: Checks) -> None:
-    """Entry point of a spawned rank: ``python <test module> <out_dir> <init_file>``."""
-    out_dir, init_file = Path(sys.argv[1]), sys.argv[2]
+    """Entry point of a module run as a script: ``python <test module> <out_dir> <init_file>``;
+    the cases named in SHARDKIT_GLOO_CASES (a JSON list), else all."""
+    names = json.loads(os.environ[CASES_ENV]) if os.environ.get(CASES_ENV) else None
+    module_file = str(Path(sys.modules["__main__"].__file__).resolve())
+    _run_plan(Path(sys.argv[1]), sys.argv[2], [(module_file, lambda: (checks, select_cases(checks.cases(), names)))])
+
+
+def _main() -> None:
+    """Entry point of a batch rank: ``python gloo_harness.py <out_dir> <init_file>``, the plan
+    in out_dir/plan.json."""
+    out_dir = Path(sys.argv[1])
+    plan = json.loads((out_dir / "plan.json").read_text())
+    _run_plan(out_dir, sys.argv[2], [(e["file"], lambda e=e: _load(e["file"], e["cases"])) for e in plan])
+
+
+def _load(module_file: str, names: list[str] | None) -> tuple[Checks, list[Case]]:
+    """A test module's checks and the cases to run. The module is imported under its own name
+    (the one pytest gives a module of a folder without __init__.py, the folder on sys.path),
+    so that its classes pickle by that name."""
+    path = Path(module_file).resolve()
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    module = importlib.import_module(path.stem)
+    if Path(module.__file__).resolve() != path:
+        raise ImportError(f"{path.stem} is already {module.__file__}, not {path}")
+    found = [v for v in vars(module).values() if isinstance(v, Checks)]
+    if len(found) != 1:
+        raise TypeError(f"{path} holds {len(found)} Checks registries, not one")
+    return found[0], select_cases(found[0].cases(), names)
+
+
+def _run_plan(out_dir: Path, init_file: str, steps: list[tuple[str, Callable[[], tuple[Checks, list[Case]]]]]) -> None:
+    """Run each step's module: ``load()`` gives its checks and the cases to run."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=timedelta(seconds=SYNC_TIMEOUT_S),
     )
-    outcomes: dict[str, str] = {}
-    for case in checks.cases():
-        # A fresh process group per check: a collective left unmatched by a failing check
-        # cannot pair with the next check's, and only times out on its own group.
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
-        mesh = DeviceMesh.from_group(group, "cpu")
+    report: dict = {"current": None, "modules": {}}
+    path = out_dir / f"rank{rank}.json"
+    for module_file, load in steps:
+        module = report["modules"][module_file] = {"outcomes": {}, "done": False}
+        report["current"] = module_file
+        _write_json(path, report)  # the parent's clock for this module starts now
+        start = time.monotonic()
         try:
-            checks.run(case, mesh)
-            outcomes[str(case)] = PASSED
-        except Exception:
-            outcomes[str(case)] = traceback.format_exc()
-        _write_json(out_dir / f"rank{rank}.json", outcomes)
-        if not _ranks_in_step(str(case), world):
+            checks, cases = load()
+            module["narrowed"] = len(cases) < len(checks.cases())  # pytest selected some cases only
+        except Exception:  # the module does not import: its cases report why
+            module["error"] = traceback.format_exc()
+            checks, cases = None, []
+        in_step = True
+        for case in cases:
+            # A fresh process group per check: a collective left unmatched by a failing check
+            # cannot pair with the next check's, and only times out on its own group.
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
+            mesh = DeviceMesh.from_group(group, "cpu")
+            try:
+                checks.run(case, mesh)
+                module["outcomes"][str(case)] = PASSED
+            except Exception:
+                module["outcomes"][str(case)] = traceback.format_exc()
+            module["seconds"] = time.monotonic() - start
+            _write_json(path, report)
+            in_step = _ranks_in_step(f"{module_file}::{case}", world)
+            if not in_step:
+                break
+        if not in_step:
+            break
+        module["seconds"] = time.monotonic() - start
+        if SIM:
+            module["sim"] = _sim_summary()
+        module["done"] = True
+        _write_json(path, report)
+        if not _ranks_in_step(f"{module_file} done", world):
             break
     dist.destroy_process_group()
+
+
+def _sim_summary() -> str | None:
+    try:
+        from shardkit.comm import sim
+
+        return sim.current().summary()
+    except Exception:  # no checker running: the parent says so
+        return None
 
 
 def _ranks_in_step(name: str, world: int) -> bool:
@@ -121,62 +220,166 @@ def _write_json(path: Path, obj: dict) -> None:
 # Parent side -----------------------------------------------------------------------------
 @dataclass
 class Outcomes:
-    """What every rank reported, plus the tail of its stderr for crashes and hangs."""
+    """What every rank reported for one module, plus the tail of its stderr for crashes and
+    hangs, and under SHARDKIT_STREAMS=sim what is wrong with its summary, per rank."""
 
     per_rank: list[dict[str, str]]
     stderr_tails: list[str]
     timed_out: bool
+    sim_problems: list[str | None] = field(default_factory=list)
+    seconds: float | None = None  # the module's time in the ranks
+    error: str | None = None  # why the module did not import in the ranks
 
     def assert_passed(self, case: Case) -> None:
         problems = []
         for rank, outcomes in enumerate(self.per_rank):
             outcome = outcomes.get(str(case))
-            if outcome is None:
+            if outcome is None and self.error:
+                problems.append(f"rank {rank}: the module did not import:\n{self.error}")
+            elif outcome is None:
                 why = "timed out" if self.timed_out else "crashed or stopped after ranks fell out of step"
                 problems.append(f"rank {rank}: no outcome ({why}); stderr tail:\n{self.stderr_tails[rank]}")
             elif outcome != PASSED:
                 problems.append(f"rank {rank}:\n{outcome}")
         if SIM and not problems:
-            problems += [f"rank {rank}: {why}" for rank, why in enumerate(map(_sim_problem, self.stderr_tails)) if why]
+            problems += [f"rank {rank}: {why}" for rank, why in enumerate(self.sim_problems) if why]
         assert not problems, f"{case} failed\n" + "\n".join(problems)
 
 
-def _sim_problem(tail: str) -> str | None:
-    """What is wrong with a rank's simulated-streams summary, if anything."""
-    found = SIM_SUMMARY.findall(tail)
-    if not found:
-        return f"printed no 'sim streams: ...' summary; output tail:\n{tail}"
-    accesses, edges, races = map(int, found[-1])
-    if races or not accesses or not edges:
+def _sim_counts(summary: str | None) -> tuple[int, int, int] | None:
+    found = SIM_SUMMARY.findall(summary or "")
+    return tuple(map(int, found[-1])) if found else None
+
+
+def _sim_problem(before: tuple[int, int, int], after: tuple[int, int, int] | None, summary: str | None,
+                 narrowed: bool = False) -> str | None:
+    """What is wrong with a module's share of a rank's simulated-streams counts, if anything:
+    a race, or no access or cross-stream edge checked at all (only races count where pytest
+    selected some of the module's cases: one alone may well communicate nothing)."""
+    if after is None:
+        return f"no simulated-streams checker was running (summary: {summary!r})"
+    accesses, edges, races = (a - b for a, b in zip(after, before))
+    if races or (not narrowed and (not accesses or not edges)):
         return f"sim streams: {accesses} accesses checked, {edges} cross-stream edges, {races} races"
     return None
 
 
-def spawn_ranks(module_file: str, world: int, tmp: Path, timeout_s: float) -> Outcomes:
-    """Run ``module_file`` as ``world`` gloo ranks; kill them all after ``timeout_s``."""
-    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+def selected_cases(items, module) -> list[str] | None:
+    """The case names (``str(case)``) of ``module``'s selected items that assert a gloo outcome
+    (``items``: the session's, after ``-k``/``-m``/node ids deselected the rest); None: run
+    every case (an item not parametrized by ``case`` needs them all)."""
+    names = []
+    for item in items:
+        if getattr(item, "module", None) is not module or FIXTURE not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "case" not in callspec.params:
+            return None
+        names.append(str(callspec.params["case"]))
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class Batch:
+    """One spawn of ``world`` ranks running ``modules`` (file -> case names or None) in order."""
+
+    modules: dict[str, list[str] | None]
+    world: int
+    wall_s: float = 0.0
+    outcomes: dict[str, Outcomes] = field(default_factory=dict)  # the modules it finished or stopped in
+
+
+def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, timeout_s: float = TIMEOUT_S) -> Batch:
+    """Run ``modules``' checks on ``world`` gloo ranks, one module after the other; kill the
+    ranks when one module runs longer than ``timeout_s``. The batch holds outcomes for every
+    module it finished and for the one it stopped in (crash, hang, ranks out of step); the
+    modules after that one are left out: run them again."""
+    files = [str(Path(f).resolve()) for f in modules]
+    (tmp / "plan.json").write_text(json.dumps([{"file": f, "cases": modules[m]} for f, m in zip(files, modules)]))
+    env = {k: v for k, v in os.environ.items() if k != CASES_ENV}
+    env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    start = time.monotonic()
     procs, logs = [], []
     for rank in range(world):
         log = open(tmp / f"rank{rank}.stderr", "w+")
-        cmd = [sys.executable, module_file, str(tmp), str(tmp / "init_file")]
+        cmd = [sys.executable, __file__, str(tmp), str(tmp / "init_file")]
         procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
+    timed_out = _wait(procs, tmp / "rank0.json", timeout_s)
+    batch = Batch(dict(zip(files, modules.values())), world, wall_s=time.monotonic() - start)
+    tails = []
+    for log in logs:
+        log.seek(0)
+        tails.append(log.read()[-3000:])
+        log.close()
+    reports = []
+    for rank in range(world):
+        path = tmp / f"rank{rank}.json"
+        reports.append(json.loads(path.read_text())["modules"] if path.exists() else {})
+    sim_before = [(0, 0, 0)] * world
+    for f in files:
+        mine = [r.get(f) for r in reports]
+        done = all(m is not None and m["done"] for m in mine)
+        error = next((m["error"] for m in mine if m and "error" in m), None)
+        per_rank = [dict(m["outcomes"]) if m else {} for m in mine]
+        sim_problems = []
+        if SIM and done:
+            after = [_sim_counts(m.get("sim")) for m in mine]
+            sim_problems = [_sim_problem(b, a, m.get("sim"), m.get("narrowed", False)) for b, a, m in zip(sim_before, after, mine)]
+            sim_before = [a or b for a, b in zip(after, sim_before)]
+        seconds = max((m.get("seconds") or 0.0 for m in mine if m), default=None)
+        batch.outcomes[f] = Outcomes(per_rank, tails, timed_out and not done, sim_problems, seconds, error)
+        if not done:
+            break  # the ranks stopped in this module: the ones after it never ran
+    return batch
+
+
+def _wait(procs: list[subprocess.Popen], progress: Path, timeout_s: float) -> bool:
+    """Wait for the ranks; kill them all when the module rank 0 is on has run ``timeout_s``
+    (the first from the spawn) or one rank exits with an error. True: killed at a deadline."""
+    current, deadline = None, time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return False
+        if any(c not in (None, 0) for c in codes):  # a crashed rank leaves the others waiting
+            _grace(procs, SYNC_TIMEOUT_S)
+            return False
+        try:
+            now_on = json.loads(progress.read_text())["current"]
+        except (OSError, ValueError, KeyError):
+            now_on = current
+        if now_on != current:
+            current, deadline = now_on, time.monotonic() + timeout_s
+        if time.monotonic() > deadline:
+            _grace(procs, 0)
+            return True
+        time.sleep(0.05)
+
+
+def _grace(procs: list[subprocess.Popen], seconds: float) -> None:
+    """Give the other ranks ``seconds`` to notice and write their outcomes, then kill them."""
+    end = time.monotonic() + seconds
     for proc in procs:
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            proc.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            timed_out = True
+            pass
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    per_rank, tails = [], []
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        tails.append(log.read()[-3000:])
-        log.close()
-        path = tmp / f"rank{rank}.json"
-        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
-    return Outcomes(per_rank, tails, timed_out)
+
+
+def spawn_ranks(module_file: str, world: int, tmp: Path, timeout_s: float = TIMEOUT_S,
+                cases: list[str] | None = None) -> Outcomes:
+    """Run one module's checks (``cases``: the names to run, default all) on ``world`` ranks."""
+    batch = spawn_batch({module_file: cases}, world, tmp, timeout_s)
+    return next(iter(batch.outcomes.values()), Outcomes([{}] * world, [""] * world, False))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gloo_harness  # this file under its own name: the modules' ``Checks`` are its class
+
+    gloo_harness._main()
