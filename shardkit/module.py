@@ -149,7 +149,8 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Issue this group's reduce-scatter with ``comm`` (FSDP2's ``ReduceScatter``): its
         ``allocate`` makes the input and output buffers and ``comm(output, input, group, op,
-        async_op)`` runs the collective (a SUM; shardkit divides after)."""
+        async_op)`` runs the collective with ``op``: ``ReduceOp.AVG`` where the backend
+        averages (NCCL, fp32/bf16, as FSDP2), else SUM, divided after."""
         _check_comm(comm, "set_custom_reduce_scatter")
         self._shardkit().options.custom_reduce_scatter = comm
 

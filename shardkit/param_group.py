@@ -255,7 +255,7 @@ class ParamGroup:
     def _reduction(self, bucket: Bucket) -> collectives.Reduction:
         layout = self.layout
         options = self.options
-        how = collectives.Reduction(options.gradient_divide_factor or self.mesh_size, custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction)
+        how = collectives.Reduction(options.gradient_divide_factor or self.mesh_size, custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
         if options.all_reduce_hook is not None:
             how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP

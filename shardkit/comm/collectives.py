@@ -155,6 +155,7 @@ class Reduction:
     custom: Any = None  # the user's ReduceScatter (set_custom_reduce_scatter)
     hook: tuple | None = None  # (hook, stream) of set_all_reduce_hook
     force_sum: bool = False  # set_force_sum_reduction_for_comms: ReduceOp.SUM, then divide
+    user_factor: bool = False  # divide_by is set_gradient_divide_factor's (FSDP2 picks other ops for it)
 
 
 @dataclass
@@ -208,7 +209,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
             work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
             chunk = send[comm.rank]  # (per_rank + n,)
         elif how.custom is not None:
-            work, chunk, send = _custom_reduce_scatter(how.custom, send, bucket.per_rank + n, comm.group, async_op)
+            work, chunk, send = _custom_reduce_scatter(how.custom, send, bucket.per_rank + n, comm.group, op, async_op)
         else:
             chunk = send.new_empty(bucket.per_rank + n)
             work = _reduce_scatter_single(chunk, send.view(-1), op=op, group=comm.group, async_op=async_op)
@@ -223,12 +224,12 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, averaged_over, via, how.hook)
 
 
-def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, async_op: bool):
+def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, op, async_op: bool):
     """``set_custom_reduce_scatter``: the user's buffers and collective; (work, chunk, input)."""
     buffer = custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
     buffer.copy_(send.view(-1))
     chunk = custom.allocate((chunk_numel,), dtype=send.dtype, device=send.device)
-    work = custom(output_tensor=chunk, input_tensor=buffer, group=group, op=dist.ReduceOp.SUM, async_op=async_op)
+    work = custom(output_tensor=chunk, input_tensor=buffer, group=group, op=op, async_op=async_op)
     return work, chunk, buffer
 
 
@@ -236,13 +237,17 @@ def _reduce_ops(comm: Comm, how: Reduction, dtype: torch.dtype) -> tuple[float, 
     """(divide before, divide after, the reduce-scatter's op, the HSDP all-reduce's op). SUM
     and a division, except for fp32/bf16 divided by the ranks on a backend that averages
     (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
-    divided after; not with a user's collective or ``set_force_sum_reduction_for_comms``. (An
-    all-reduce hook sees the chunk as the collectives left it, before any division: as FSDP2.)"""
+    divided after; a user's divide factor equal to the shard dim's ranks averages there only
+    (FSDP2's choice); not with ``set_force_sum_reduction_for_comms``. (A user's reduce-scatter is
+    given the op; an all-reduce hook sees the chunk as the collectives left it, before any
+    division: as FSDP2.)"""
     pre, post = _divide_factors(how.divide_by, dtype)
     comms = (comm,) if how.replicate is None else (comm, how.replicate)
-    averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16)
-    if averages and how.divide_by == math.prod(c.world for c in comms) and not how.force_sum and how.custom is None:
+    averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16) and not how.force_sum
+    if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):
         return pre, 1, _average(comm), _average(how.replicate or comm)
+    if averages and how.user_factor and how.divide_by == comm.world:  # the shard dim's average, summed over replicas
+        return pre, 1, _average(comm), dist.ReduceOp.SUM
     return pre, post, dist.ReduceOp.SUM, dist.ReduceOp.SUM
 
 

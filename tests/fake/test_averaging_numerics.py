@@ -39,7 +39,9 @@ CASES = {
     "hsdp-kept-then-averaged": ((2, 2), [(False, False), (False, False), (True, False)]),
     "hsdp-kept-averaged-then-summed": ((2, 2), [(False, False), (True, True)]),
     "hsdp-kept-summed-then-averaged": ((2, 2), [(False, True), (True, False)]),
+    "hsdp-divide-factor-2": ((2, 2), [(True, False)]),  # AVG over the shard dim, SUM over the replicas
 }
+FACTORS = {"hsdp-divide-factor-2": 2.0}
 HALVING_HOOK = ("1d", "hsdp")  # also with an all-reduce hook that halves what the collectives left
 
 
@@ -66,7 +68,9 @@ def test_averaging_reductions_give_the_unsharded_gradients(case, averaging_backe
     inputs = [[torch.randn(2, 8, generator=g) for _ in range(WORLD)] for _ in microbatches]  # [microbatch][rank]
     for batch in inputs:  # the gradient of the mean over ranks, summed over microbatches
         (sum(reference(x).sum() for x in batch) / WORLD).backward()
-    want = {name: p.grad.clone() * (0.5 if halve else 1) for name, p in reference.named_parameters()}
+    factor = FACTORS.get(case)
+    scale = (0.5 if halve else 1) * (WORLD / factor if factor else 1)  # a factor divides the sum over ranks
+    want = {name: p.grad.clone() * scale for name, p in reference.named_parameters()}
 
     def rank_main(rank: int):
         names = ("replicate", "shard") if len(shape) == 2 else None
@@ -77,6 +81,9 @@ def test_averaging_reductions_give_the_unsharded_gradients(case, averaging_backe
             shardkit.fully_shard(block, mesh=mesh)
         shardkit.fully_shard(model, mesh=mesh)
         groups = [m for m in model.modules() if isinstance(m, shardkit.FSDPModule)]
+        if factor:
+            for m in groups:
+                m.set_gradient_divide_factor(factor)
         if halve:
             for m in groups:
                 m.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = {
     "stale-mark-dropped": ("shardkit/optim.py", "group.layout.gathered_version = None", "pass",
                            "an optimizer step no longer marks gathered data stale"),
-    "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and how.divide_by == math.prod(c.world for c in comms) and", "if averages and",
+    "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):", "if averages:",
                                 "the backend averages even when the user's divide factor is not the world"),
-    "force-sum-ignored": ("shardkit/comm/collectives.py", "and not how.force_sum and", "and",
+    "force-sum-ignored": ("shardkit/comm/collectives.py", "(torch.float32, torch.bfloat16) and not how.force_sum", "(torch.float32, torch.bfloat16)",
                           "bug 3: set_force_sum_reduction_for_comms(True) changes nothing"),
     "all-gather-not-waited": ("shardkit/comm/collectives.py", "    pending.handle.wait()\n    _copy_out", "    _copy_out",
                               "copy-out without waiting for the all-gather"),

@@ -254,6 +254,7 @@ class Run:
         # are right when the step had no gradients; from then on all-gathers are not compared.
         self.gathers_comparable = True
         self.unwaited: set[str] = set()  # groups unsharded with async_op=True, not waited for yet
+        self.kept_after_backward: set[str] = set()  # set_reshard_after_backward(False)
         self.log: list[str] = []
         self._new_optimizers()
 
@@ -293,6 +294,15 @@ class Run:
             # FSDP2 keeps an unwaited all-gather across a reshard (reshard(), state dicts) for
             # the next unshard to use; shardkit waits for it and frees it (a later unshard
             # gathers fresh data, as the state dict may have changed it).
+            self.gathers_comparable = False
+        if name in ("step", "train") and self.kept_after_backward:
+            # FSDP2 computes the next forward with the parameters it kept after backward, from
+            # before this step (the fuzzer drops it: it disagrees with the reference); shardkit
+            # gathers them again.
+            self.gathers_comparable = False
+        if name == "set" and args[0] in ("modules_to_forward_prefetch", "modules_to_backward_prefetch") and _prefetches_back(*args):
+            # A prefetch of a group that already ran in this pass: FSDP2 keeps that all-gather
+            # for the group's next unshard (in the other pass), shardkit frees it at the pass's end.
             self.gathers_comparable = False
         if name in ("forward", "train", "raise_in_forward"):
             self.unwaited.clear()
@@ -507,6 +517,8 @@ class Run:
         if side is None:
             recursive = KNOBS[knob][1]
             groups = [g for g in self.groups if g == target or recursive and (target == "" or g.startswith(target + "."))]
+            if knob == "reshard_after_backward":
+                (self.kept_after_backward.difference_update if value else self.kept_after_backward.update)(groups)
             if knob == "requires_gradient_sync":  # (and requires_all_reduce, as FSDP2)
                 self.sync.update({g: value for g in groups})
                 self.all_reduce.update({g: value for g in groups})
@@ -585,6 +597,16 @@ class Run:
         self.dtype = torch.float64
         self._new_optimizers()  # after every side moved
         return True
+
+
+def _prefetches_back(knob: str, target: str, names: list[str]) -> bool:
+    """Whether a prefetch list names a group that runs before ``target`` in that pass (blocks
+    run in index order forward, the reverse backward; the root first forward, last backward)."""
+    def index(name: str) -> int:
+        return -1 if name == "" else int(name.split(".")[1])
+    if knob == "modules_to_forward_prefetch":
+        return any(index(n) <= index(target) for n in names)
+    return target != "" and any(index(n) >= index(target) for n in names)
 
 
 def _leave_as_is(reduced: torch.Tensor) -> None:

@@ -173,3 +173,44 @@ def test_hsdp_reductions_average_in_both_collectives_as_fsdp2():
             model(torch.randn(4, 8)).sum().backward()
     ops = [(e.kind, e.op, e.divide_by) for e in t.collectives() if e.kind != "all_gather"]
     assert sorted(ops) == [("all_reduce", "avg", 1)] * 3 + [("reduce_scatter", "avg", 1)] * 3  # nothing divided after
+
+
+def _hsdp_ops(factor=None, custom=None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = TwoBlocks()
+        fully_shard(model, mesh=mesh)
+        if factor is not None:
+            model.set_gradient_divide_factor(factor)
+        if custom is not None:
+            model.set_custom_reduce_scatter(custom)
+        with shardkit.trace() as t:
+            model(torch.randn(4, 8)).sum().backward()
+    return [(e.kind, e.op, e.divide_by) for e in t.collectives() if e.kind != "all_gather"]
+
+
+# Found by the fuzzer: FSDP2 picks its ops from a user's divide factor (AVG over the shard dim
+# when the factor is its size, then a SUM over the replicas; else a pre-multiplied SUM).
+def test_a_divide_factor_picks_fsdp2s_ops():
+    assert _hsdp_ops() == [("reduce_scatter", "avg", 1), ("all_reduce", "avg", 1)]
+    assert _hsdp_ops(factor=2.0) == [("reduce_scatter", "avg", 1), ("all_reduce", "sum", 1)]
+    assert _hsdp_ops(factor=4.0) == [("reduce_scatter", "sum", 4.0), ("all_reduce", "sum", 1)]
+
+
+# Found by the fuzzer: a user's reduce-scatter (set_custom_reduce_scatter) was always given SUM;
+# FSDP2 gives it the op it would use itself.
+def test_a_custom_reduce_scatter_gets_the_op_fsdp2_gives_it():
+    from tests.gloo.extension_tensors import UserComm
+
+    ops = []
+
+    class Recording(UserComm):
+        def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+            ops.append(op)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    assert _hsdp_ops(custom=Recording("reduce_scatter")) == [("reduce_scatter", "avg", 1), ("all_reduce", "avg", 1)]
+    assert ops == [dist.ReduceOp.AVG]
