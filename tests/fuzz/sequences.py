@@ -255,6 +255,7 @@ class Run:
         self.gathers_comparable = True
         self.unwaited: set[str] = set()  # groups unsharded with async_op=True, not waited for yet
         self.kept_after_backward: set[str] = set()  # set_reshard_after_backward(False)
+        self.lockstep = False
         self.log: list[str] = []
         self._new_optimizers()
 
@@ -304,6 +305,8 @@ class Run:
             # A prefetch of a group that already ran in this pass: FSDP2 keeps that all-gather
             # for the group's next unshard (in the other pass), shardkit frees it at the pass's end.
             self.gathers_comparable = False
+        if name == "set" and args[0] == "lockstep" and args[2]:
+            self.lockstep = True  # its agreements are collectives of their own: nothing to compare
         if name in ("forward", "train", "raise_in_forward"):
             self.unwaited.clear()
         elif name == "unshard":
@@ -417,7 +420,7 @@ class Run:
                     raise Failure(f"{cmd}: {what} differs from FSDP2's by {d:.3g} (both agree with the reference within its tolerance)")
 
     def _check_collectives(self, cmd: tuple) -> None:
-        if len(self.live_sides()) < 2:
+        if len(self.live_sides()) < 2 or self.lockstep:
             return
         mine, theirs = comparable(self.sides[0].seen), comparable(self.sides[1].seen)
         labels = ("all-gathers (dtype, numel)", "reductions (op)", "all-reduces (op)")
@@ -534,6 +537,8 @@ class Run:
             value = [side.model.get_submodule(n) for n in value]
         if knob in ("is_last_backward", "lockstep"):  # the root's
             module = side.model
+        if knob == "lockstep" and side.impl == "torch":
+            return True  # shardkit only; here every rank runs every module, so FSDP2 needs nothing
         if knob == "all_reduce_hook":
             module.set_all_reduce_hook(_leave_as_is)
         elif knob == "custom_comms":
@@ -637,7 +642,7 @@ KNOBS = {
     "reduce_scatter_unused_params": ("bool", True),
     "all_reduce_hook": ("on", False),  # a hook that changes nothing
     "custom_comms": ("on", False),  # set_custom_all_gather / set_custom_reduce_scatter (plain torch.distributed)
-    "lockstep": ("bool", False),  # shardkit only: FSDP2 has no set_lockstep
+    "lockstep": ("bool", False),  # shardkit only (FSDP2 has no set_lockstep: nothing is called there)
 }
 
 
