@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "gloo"))  # as tests/gloo/conftest.py has it
+
+from gloo_harness import _grace  # noqa: E402
 
 
 def spawn_gloo(env: dict, timeout_s: float, stream: bool = True) -> tuple[dict | None, str]:
@@ -34,16 +37,7 @@ def spawn_gloo(env: dict, timeout_s: float, stream: bool = True) -> tuple[dict |
             cmd = [sys.executable, "-m", "tests.fuzz.gloo_fuzz", tmp, str(Path(tmp) / "init")]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**base, "RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT))
             logs.append(log)
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        _grace(procs, timeout_s)  # then killed
         tails = []
         for rank, log in enumerate(logs):
             log.seek(0)

@@ -133,18 +133,25 @@ def test_force_sum_reduction_sums_in_the_collective_and_divides_after(monkeypatc
     assert set(map(str, ops)) == {str(dist.ReduceOp.SUM)}
 
 
-# Found by the fuzzer: FSDP2's set_requires_gradient_sync(v) sets requires_all_reduce(v) too;
-# shardkit left a False all-reduce in place, so HSDP replicas silently kept diverged sums.
-def test_set_requires_gradient_sync_sets_requires_all_reduce_as_fsdp2():
+@contextlib.contextmanager
+def hsdp_two_blocks(blocks_too: bool = True):
+    """TwoBlocks sharded on a (replicate 2, shard 2) mesh of the fake process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         model = TwoBlocks()
-        for block in model.blocks:
+        for block in model.blocks if blocks_too else ():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        yield model
+
+
+# Found by the fuzzer: FSDP2's set_requires_gradient_sync(v) sets requires_all_reduce(v) too;
+# shardkit left a False all-reduce in place, so HSDP replicas silently kept diverged sums.
+def test_set_requires_gradient_sync_sets_requires_all_reduce_as_fsdp2():
+    with hsdp_two_blocks() as model:
         model.set_requires_all_reduce(False)
         model.set_requires_gradient_sync(True)
         with shardkit.trace() as t:
@@ -160,15 +167,7 @@ def test_set_requires_gradient_sync_sets_requires_all_reduce_as_fsdp2():
 # Found by the fuzzer: with HSDP, FSDP2 averages in both collectives on NCCL; shardkit summed
 # and divided after (the same numbers, but not FSDP2's collectives, and an extra kernel).
 def test_hsdp_reductions_average_in_both_collectives_as_fsdp2():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with fake_world(4):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        torch.manual_seed(0)
-        model = TwoBlocks()
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    with hsdp_two_blocks() as model:
         with shardkit.trace() as t:
             model(torch.randn(4, 8)).sum().backward()
     ops = [(e.kind, e.op, e.divide_by) for e in t.collectives() if e.kind != "all_gather"]
@@ -176,13 +175,7 @@ def test_hsdp_reductions_average_in_both_collectives_as_fsdp2():
 
 
 def _hsdp_ops(factor=None, custom=None):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with fake_world(4):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        torch.manual_seed(0)
-        model = TwoBlocks()
-        fully_shard(model, mesh=mesh)
+    with hsdp_two_blocks(blocks_too=False) as model:
         if factor is not None:
             model.set_gradient_divide_factor(factor)
         if custom is not None:
