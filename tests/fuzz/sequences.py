@@ -56,6 +56,7 @@ class Spec:
     reshard: Any = True  # the blocks' reshard_after_forward: True, False, or an int
     mesh: str = "1d"  # "1d" | "hsdp" (replicate, shard) = (2, world/2) | "hsdp1" = (1, world)
     foreach: bool = False  # AdamW's multi-tensor path, which bumps no version counter
+    unused: bool = False  # each block holds a Linear its forward never calls (.grad stays None)
 
 
 class Boom(RuntimeError):
@@ -68,6 +69,7 @@ class Block(nn.Module):
         self.lin = nn.Linear(DIM, DIM)
         self.inner = nn.Linear(DIM, DIM) if spec.nested else None
         self.scale = nn.Parameter(1 + 0.1 * torch.randn(DIM, dtype=torch.float64)) if spec.mixed else None
+        self.spare = nn.Linear(DIM, DIM) if spec.unused else None
         self.fail = False
 
     def forward(self, x):
@@ -373,10 +375,14 @@ class Run:
                 for side in self.live_sides():
                     got = side.params[name].grad
                     got = None if got is None else _full(got)
-                    if got is None or want is None:  # None and zeros are the same gradient
-                        other = want if got is None else got
-                        if other is not None and bool(other.any()):
-                            self._fail_or_drop(side, f"gradient {name}: {'None' if got is None else 'set'} vs reference {'None' if want is None else 'set'}")
+                    if want is None and got is None:
+                        continue
+                    if want is None:  # no rank used it: None, as in one process
+                        self._fail_or_drop(side, f"gradient {name}: set ({'zeros' if not got.any() else 'nonzero'}) where the reference's is None")
+                        continue
+                    if got is None:  # zeros and None are the same gradient this way round
+                        if bool(want.any()):
+                            self._fail_or_drop(side, f"gradient {name}: None vs reference set")
                         continue
                     self._compare(side, f"gradient {name}", got, want, tol)
         self._compare_with_fsdp2(cmd)

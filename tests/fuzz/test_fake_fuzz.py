@@ -13,7 +13,7 @@ from tests.fuzz import strategies
 from tests.fuzz.meshes import make_meshes
 from tests.fuzz.sequences import Run, to_json
 
-EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "400"))
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
 REPRO = os.environ.get("FUZZ_REPRO_FAKE", "fuzz-repro-fake.json")
 
@@ -38,6 +38,6 @@ def run_example(world: int, spec, commands, verbose: bool = False) -> Run:
 @given(data=st.data())
 def test_random_call_sequences_issue_fsdp2s_collectives(data):
     world = data.draw(st.sampled_from([2, 4, 8]), label="world")
-    spec = data.draw(strategies.specs(world), label="spec")
+    spec = data.draw(strategies.specs(world, fsdp2_only=True), label="spec")
     commands = data.draw(strategies.sequences(), label="commands")
     run_example(world, spec, commands)
