@@ -49,22 +49,21 @@ def install_once() -> None:
     global _installed
     if not _installed:
         register_optimizer_step_pre_hook(_warn_if_built_before_fully_shard)
-        register_optimizer_step_post_hook(_gathered_data_is_stale)
         if os.environ.get("SHARDKIT_LOCAL_OPTIM", "1") != "0":
             register_optimizer_step_pre_hook(_to_local)
             register_optimizer_step_post_hook(_to_dtensor)
+        register_optimizer_step_post_hook(_gathered_data_is_stale)  # after _to_dtensor: it sees the DTensors
         _installed = True
 
 
 def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
-    # Only for the groups whose parameters this optimizer holds (as DTensors, or as their local
-    # tensors while ``_to_local`` swapped them): under torch's threaded process group every
-    # rank's groups live in this process, and another rank's step must not make this rank
-    # gather again (an all-gather the other ranks do not issue: a hang).
+    # Only for the groups whose parameters this optimizer holds: under torch's threaded process
+    # group every rank's groups live in this process, and another rank's step must not make
+    # this rank gather again (an all-gather the other ranks do not issue: a hang).
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for group in list(groups):
-        if group.layout is not None and any(id(p.sharded_param) in held or id(p.sharded_param._local_tensor) in held for p in group.params):
+        if group.layout is not None and any(id(p.sharded_param) in held for p in group.params):
             group.layout.gathered_version = None
 
 
