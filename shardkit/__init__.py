@@ -6,13 +6,14 @@ Switch with one import line::
 """
 
 from shardkit import checkpoint
-from shardkit.api import fully_shard
+from shardkit.api import ShardPlacementResult, fully_shard
 from shardkit.comm.check import CollectiveMismatch, check_collectives
 from shardkit.comm import timeline
 from shardkit.comm.trace import Trace, trace
 from shardkit.memtrack import MemTracker
 from shardkit.planner import Plan, apply_plan, plan
-from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from shardkit.meshes import DataParallelMeshDims
+from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
+    "ShardPlacementResult",
     "trace",
     "Trace",
     "timeline",

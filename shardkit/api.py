@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -9,11 +10,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from shardkit import hooks, meshes
+from shardkit import fsdp2_view, hooks, meshes
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.module import FSDPModule, accept_full_tensors
 from shardkit.options import GroupOptions, ParamOptions
-from shardkit.param_group import ParamGroup
+from shardkit.param_group import MeshPart, ParamGroup
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.state import GroupState, class_name, state_of
 
@@ -29,15 +30,27 @@ class PlacementError(ValueError, AssertionError):
     (FSDP2 raises AssertionError here)."""
 
 
+@dataclass
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return for a parameter that gets its own mesh (FSDP2's
+    per-parameter mesh, e.g. MoE experts over an expert-FSDP mesh): the ``Shard`` (or None:
+    ``Shard(0)``) and the mesh, as FSDP2's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` or a
+    DeviceMesh (1-D: FSDP, 2-D: HSDP). FSDP2's own ``ShardPlacementResult`` is accepted too."""
+
+    placement: Shard | None
+    mesh_info: Any
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: meshes.DataParallelMeshDims | None = None,
 ):
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
 
@@ -46,8 +59,12 @@ def fully_shard(
     ``ignored_params``) becomes an ``nn.Parameter`` holding a ``Shard(0)`` DTensor over the
     1-D ``mesh`` (default: all ranks), or ``(Replicate(), Shard(0))`` over a 2-D mesh (HSDP:
     replicated over dim 0, sharded over dim 1); ``shard_placement_fn`` may pick ``Shard(d)``
-    per parameter. They form ONE group, all-gathered in one collective before forward and
-    backward and reduce-scattered in one collective after backward.
+    per parameter, and with a ``ShardPlacementResult`` a mesh of its own (MoE experts over an
+    expert-FSDP mesh). They form ONE group, all-gathered in one collective (per mesh) before
+    forward and backward and reduce-scattered in one collective (per mesh) after backward.
+    With ``dp_mesh_dims``, ``mesh`` is a full SPMD mesh (e.g. ``("dp_replicate",
+    "dp_shard", "tp")``) on which the parameters already are DTensors, replicated over the
+    data-parallel dims it names; fully_shard shards them over those dims.
     ``reshard_after_forward`` frees the gathered parameters after forward (default: True
     except for the root); an int R keeps 1/R of them so that backward gathers among R
     ranks only. ``mp_policy`` sets the dtypes of the all-gather/compute and of the gradient
@@ -67,8 +84,12 @@ def fully_shard(
     """
     modules = _check_modules(module)
     mesh = meshes.default_mesh() if mesh is None else mesh
-    meshes.check_mesh(mesh)
-    reshard_after_forward, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, mesh)
+    meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None)
+    spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
+    dp_mesh = spmd.dp_mesh if spmd is not None else mesh
+    if spmd is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
+    reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh)
     mp_policy, offload, pin_memory = check_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params, modules)
     device = meshes.mesh_device(mesh)
@@ -77,11 +98,23 @@ def fully_shard(
     slots, borrowed = _param_slots(managed, ignored)
     _move_buffers(managed, device)
     options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory, mp_policy)
-    params = [_shard_param(p, s, mesh, device, shard_placement_fn, options) for p, s in slots.items()]
-    options = GroupOptions(reshard_after_forward)
-    group = ParamGroup(params, mesh, options, post_forward_mesh) if params else None
+    by_mesh: dict[tuple, tuple[DeviceMesh, list[ShardedParam]]] = {_mesh_key(dp_mesh): (dp_mesh, [])}
+    sharded_of: dict[nn.Parameter, ShardedParam] = {}
+    for p, s in slots.items():
+        dim, param_mesh = _placement(p, s, shard_placement_fn)
+        param_mesh = dp_mesh if param_mesh is None else param_mesh
+        sharded = ShardedParam(p, s, param_mesh, device, options, dim, spmd if param_mesh is dp_mesh else None)
+        by_mesh.setdefault(_mesh_key(param_mesh), (param_mesh, []))[1].append(sharded)
+        sharded_of[p] = sharded
+
+    def post_forward(m: DeviceMesh) -> DeviceMesh | None:  # reshard_after_forward=R, for each mesh
+        return post_forward_mesh if m is dp_mesh else meshes.check_reshard_after_forward(reshard_after_forward, m)[1]
+
+    options = GroupOptions(reshard)
+    parts = [MeshPart(ps, m, post_forward(m)) for m, ps in by_mesh.values() if ps]
+    group = ParamGroup(parts, options) if parts else None
     state = GroupState(modules, group, options, mp_policy, device)
-    _install(state, dict(zip(slots, params)), borrowed, nested)
+    _install(state, sharded_of, borrowed, nested)
     return module
 
 
@@ -102,6 +135,7 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     for m in state.modules:
         m.__dict__["_shardkit_state"] = state
         m.__class__ = _fsdp_class(type(m))
+        fsdp2_view.register(m, state)
 
 
 def _check_modules(module: Any) -> tuple[nn.Module, ...]:
@@ -204,16 +238,27 @@ def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-def _shard_param(p: nn.Parameter, slots: list[ParamSlot], mesh: DeviceMesh, device: torch.device, placement_fn, options: ParamOptions) -> ShardedParam:
+def _placement(p: nn.Parameter, slots: list[ParamSlot], placement_fn) -> tuple[int, DeviceMesh | None]:
+    """The dim ``shard_placement_fn`` picks for ``p`` (0 by default), and its own mesh (None:
+    the one fully_shard was given)."""
     where = f"'{slots[0].name}' of {class_name(slots[0].module)}"
-    dim = 0
-    if placement_fn is not None and (placement := placement_fn(p)) is not None:
-        if not isinstance(placement, Shard):
-            raise PlacementError(f"shard_placement_fn returned {placement!r} for {where}; return a Shard(dim) or None.")
-        dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
-        if not 0 <= dim < p.dim():
-            raise PlacementError(f"shard_placement_fn returned {placement} for {where}, which has only {p.dim()} dims.")
-    return ShardedParam(p, slots, mesh, device, options, dim)
+    result = placement_fn(p) if placement_fn is not None else None
+    placement, mesh = result, None
+    if hasattr(result, "mesh_info") and hasattr(result, "placement"):  # ShardPlacementResult, ours or FSDP2's
+        placement, mesh = result.placement, meshes.param_mesh(result.mesh_info, where)
+    if placement is None:
+        return 0, mesh
+    if not isinstance(placement, Shard):
+        raise PlacementError(f"shard_placement_fn returned {placement!r} for {where}; return a Shard(dim), a ShardPlacementResult or None.")
+    dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < p.dim():
+        raise PlacementError(f"shard_placement_fn returned {placement} for {where}, which has only {p.dim()} dims.")
+    return dim, mesh
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    """Parameters whose meshes have the same ranks in the same layout share collectives."""
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
 
 
 def _fsdp_class(cls: type) -> type:

@@ -109,7 +109,7 @@ class LockstepSchedule(Schedule):
 
 def _token_group(states: list[GroupState]) -> tuple:
     """The ranks the tokens go to: every rank of the groups' mesh (both dims for HSDP)."""
-    meshes = [s.group.meshes[0] for s in states if s.group is not None]
+    meshes = [part.mesh for s in states if s.group is not None for part in s.group.parts]
     if not meshes:
         return dist.group.WORLD, dist.get_world_size()
     mesh = meshes[0]

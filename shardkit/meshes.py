@@ -1,10 +1,12 @@
 """The mesh ``fully_shard`` uses: the default one, what it accepts, and what it derives from it
-(the device, the smaller mesh of ``reshard_after_forward=R``)."""
+(the device, the smaller mesh of ``reshard_after_forward=R``, the data-parallel part of a full
+SPMD mesh named by ``dp_mesh_dims``, a parameter's own mesh from ``shard_placement_fn``)."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,16 +28,113 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def check_mesh(mesh: Any) -> None:
+@dataclass
+class DataParallelMeshDims:
+    """FSDP2's: which dims of a full SPMD mesh (e.g. ``("dp_replicate", "dp_shard", "tp")``)
+    are data parallel, for ``fully_shard(model, mesh=full_mesh, dp_mesh_dims=...)`` on
+    parameters that are already DTensors on that mesh (``Replicate()`` on those dims).
+    ``shard``: the dim(s) to shard over (several are flattened into one); ``replicate``: the
+    HSDP replication dim(s)."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class Spmd:
+    """Where the data-parallel dims sit in a full SPMD mesh: the sharded parameters stay
+    DTensors on it (``placements.spmd_spec``); the collectives run on ``dp_mesh``."""
+
+    mesh: DeviceMesh  # the full mesh the parameters are DTensors on
+    shard: tuple[int, ...]  # its dims that fully_shard shards over (flattened when several)
+    replicate: tuple[int, ...]  # its HSDP replication dims
+    dp_mesh: DeviceMesh  # 1-D (shard), or 2-D (replicate, shard)
+
+    @property
+    def dims(self) -> frozenset[int]:
+        return frozenset(self.shard + self.replicate)
+
+
+def spmd_mesh(mesh: DeviceMesh, dims: Any) -> Spmd:
+    """``dp_mesh_dims`` checked against ``mesh``, and the data-parallel mesh it names."""
+    shard, replicate = _names(getattr(dims, "shard", None)), _names(getattr(dims, "replicate", None))
+    if not shard and not replicate:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in shard + replicate:
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
+    if not shard:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims}: shardkit shards over at least one dim; pure replication (FSDP2's "
+            "DDP mode, replicate only) is not supported. Name the dim to shard over in shard=."
+        )
+
+    def flat(names: tuple[str, ...]) -> DeviceMesh:
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    dp = flat(shard) if not replicate else DeviceMesh._concatenate([flat(replicate), flat(shard)])
+    index = mesh.mesh_dim_names.index
+    return Spmd(mesh, tuple(map(index, shard)), tuple(map(index, replicate)), dp)
+
+
+def param_mesh(mesh_info: Any, where: str) -> DeviceMesh:
+    """The data-parallel mesh of a ``ShardPlacementResult``'s ``mesh_info``: FSDP2's
+    ``FSDPMeshInfo(mesh, shard_mesh_dim=0)`` (1-D) or ``HSDPMeshInfo(mesh, shard_mesh_dim=1,
+    replicate_mesh_dim=0)`` (2-D), or a DeviceMesh itself."""
+    if isinstance(mesh_info, DeviceMesh):
+        mesh = mesh_info
+    else:
+        mesh = getattr(mesh_info, "mesh", None)
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(
+                f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info is "
+                f"{type(mesh_info).__name__}; pass FSDP2's FSDPMeshInfo / HSDPMeshInfo or a DeviceMesh."
+            )
+        shard_dim, replicate_dim = getattr(mesh_info, "shard_mesh_dim", None), getattr(mesh_info, "replicate_mesh_dim", None)
+        if (shard_dim, replicate_dim) not in ((0, None), (1, 0)) or mesh.ndim != (shard_dim + 1):
+            raise NotImplementedError(
+                f"shard_placement_fn for {where}: shardkit takes a 1-D mesh (shard_mesh_dim=0) or a 2-D one "
+                f"(replicate_mesh_dim=0, shard_mesh_dim=1), got shard_mesh_dim={shard_dim}, "
+                f"replicate_mesh_dim={replicate_dim} on {mesh}."
+            )
+        if getattr(mesh_info, "dp_mesh_dims", None) is not None:
+            raise NotImplementedError(
+                f"shard_placement_fn for {where}: a mesh_info of a full SPMD mesh (dp_mesh_dims) as a "
+                "parameter's own mesh is not supported; give that parameter's data-parallel mesh."
+            )
+    check_mesh(mesh)
+    return mesh
+
+
+def check_mesh(mesh: Any, spmd: bool = False) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"fully_shard expects mesh to be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
             "build one with init_device_mesh('cpu' or 'cuda', (world_size,))."
         )
-    if mesh.ndim not in (1, 2):
+    if not spmd and mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: replicate, shard), got a "
-            f"{mesh.ndim}-D mesh {mesh}. With tensor parallel, pass the data-parallel part: mesh['dp']."
+            f"{mesh.ndim}-D mesh {mesh}. With tensor parallel, pass the data-parallel part: mesh['dp'], or the "
+            "full mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)."
         )
     if mesh.device_type == "meta":
         raise ValueError(

@@ -8,30 +8,45 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardkit import hooks, root
+from shardkit import fsdp2_view, hooks, root
 from shardkit.dtensor import replaced
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.state import GroupState, is_root, state_of
 
 
-class FSDPModule:
+class FSDPModule(_TorchFSDPModule):
     """Mixed into the class of every module ``fully_shard`` was applied to.
 
     ``fully_shard(block)`` changes ``type(block)`` to ``FSDPBlock(FSDPModule, Block)``, so
-    ``isinstance(block, FSDPModule)`` holds and these methods are available.
+    ``isinstance(block, FSDPModule)`` holds and these methods are available. It subclasses
+    torch's ``FSDPModule``, so torch code that checks for FSDP2 (pipelining, torch's
+    ``register_fsdp_forward_method``) treats shardkit modules as FSDP modules; every public
+    method of torch's is overridden here, and what torch reads of FSDP2's state is answered
+    by ``fsdp2_view.py``.
     """
+
+    _orig_cls_mro_index = 3  # FSDPBlock, FSDPModule, torch's FSDPModule, Block
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Code that rebuilds a module from its class (nn.Sequential slicing) gets the original class.
-        orig_cls = cls.__mro__[2]
+        orig_cls = cls.__mro__[cls._orig_cls_mro_index]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
 
     def _shardkit(self) -> GroupState:
         return state_of(self)
+
+    def _get_fsdp_state(self) -> fsdp2_view.StateView:
+        """What torch code that reaches into FSDP2's state gets (see fsdp2_view.py)."""
+        return fsdp2_view.view(self._shardkit())
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's private knob to issue forward all-gathers without waiting for them: shardkit
+        already issues the next group's all-gather ahead (prefetch) and waits only before use."""
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this module's parameters (not recursive). With ``async_op=True``, return a
@@ -135,7 +150,7 @@ class FSDPModule:
         HSDP all-reduce, or after the reduce-scatter without one. The hook may edit it in place.
         ``stream`` (CUDA, not with HSDP): run the hook on it."""
         state = self._shardkit()
-        if stream is not None and state.group is not None and state.group.meshes[0].ndim == 2:
+        if stream is not None and state.group is not None and any(part.mesh.ndim == 2 for part in state.group.parts):
             raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (the hook runs after its all-reduce)")
         state.options.all_reduce_hook, state.options.all_reduce_hook_stream = hook, stream
 
@@ -203,7 +218,7 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # .to()/.to_empty()/.cuda() replace the data of our sharded parameters: re-derive the shards.
         self.reshard()
-        result = super()._apply(*args, **kwargs)
+        result = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # past torch's FSDP2 override: the user's class
         group = self._shardkit().group
         if group is not None:
             for p in group.params:
@@ -240,6 +255,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return hooks.post_forward(state, module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """FSDP2's: let several roots (the stage modules of pipeline parallel, one rank holding
+    several) share one communication context, so that they do not each hold their own
+    streams and buffers. shardkit's collectives already share one set of streams per device
+    (``comm/streams.py``), whichever root issues them, so this checks the modules and has
+    nothing more to do."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects a list of modules fully_shard was applied to, got {type(module).__name__}: {module}")
 
 
 _warned: set[str] = set()

@@ -63,8 +63,8 @@ def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> N
     # this rank gather again (an all-gather the other ranks do not issue: a hang).
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for group in list(groups):
-        if group.layout is not None and any(id(p.sharded_param) in held for p in group.params):
-            group.layout.gathered_version = None
+        if group.initialized and any(id(p.sharded_param) in held for p in group.params):
+            group.gathered_version = None
 
 
 def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

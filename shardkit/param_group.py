@@ -16,7 +16,13 @@ from the training phase (``state.py``). Only ``unshard``, ``wait_for_unshard`` a
 
 ``reshard_to_post_forward`` (``reshard_after_forward=R``) also keeps this rank's 1/R of each
 parameter (the post-forward shards) in SHARDED; the next ``unshard`` gathers from them among
-R ranks and lets them go. The data is stale once an optimizer has stepped (a global step
+R ranks and lets them go.
+
+A group's parameters usually share one mesh. FSDP2's per-parameter mesh
+(``shard_placement_fn`` returning a ``ShardPlacementResult``: MoE experts over an
+expert-FSDP mesh, the dense layers over the whole data-parallel mesh) splits them into one
+``MeshPart`` per mesh: each part has its own collectives (one all-gather, one reduce-scatter
+per step) and buffers, while the group still unshards and reshards as one. The data is stale once an optimizer has stepped (a global step
 hook) or a sharded parameter was edited in place (its version counter moved) since it was
 gathered.
 """
@@ -59,7 +65,50 @@ class Layout:
     post_forward_bucket: GatherBucket | None
     partial: dict = field(default_factory=dict)  # HSDP sums not yet all-reduced, by bucket
     separate: Comm | None = None  # set_separate_reduce_scatter_group: its own process group, made at first use
-    gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
+
+
+class MeshPart:
+    """The parameters of a group that share one mesh, and the layout of their collectives."""
+
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, post_forward_mesh: DeviceMesh | None = None) -> None:
+        self.params = params
+        # 1-D (FSDP) or 2-D (HSDP: replicate, shard); reshard_after_forward=R: (world / R, R).
+        self.mesh, self.post_forward_mesh = mesh, post_forward_mesh
+        if post_forward_mesh is not None:
+            for p in params:
+                p.set_post_forward(post_forward_mesh.size(1), post_forward_mesh.get_local_rank(1))
+        self.layout: Layout | None = None  # at lazy init
+
+    @property
+    def world(self) -> int:
+        """The ranks the parameters are sharded over."""
+        return self.mesh.size(self.mesh.ndim - 1)
+
+    @property
+    def holds_post_forward(self) -> bool:
+        return self.params[0].post_forward_shard is not None
+
+    def make_layout(self) -> None:
+        streams = streams_for(self.params[0].device)
+        mesh, post_mesh = self.mesh, self.post_forward_mesh
+        comm = Comm.of(mesh, mesh.ndim - 1, streams)
+        replicate = Comm.of(mesh, 0, streams) if mesh.ndim == 2 else None
+        post, post_bucket = None, None
+        if post_mesh is not None:  # "dp/R" in the trace
+            post = Comm.of(post_mesh, 1, streams, f"{comm.mesh_dim}/{post_mesh.size(1)}")
+            post_bucket = GatherBucket(self.params, post.world, post_forward=True)
+        all_gather = GatherBucket(self.params, self.world)
+        self.layout = Layout(comm, replicate, post, all_gather, reduce_buckets(self.params, self.world), post_bucket)
+
+    def reduce_comm(self, separate: bool) -> Comm:
+        """The shard dim's process group, or (``set_separate_reduce_scatter_group``) a second
+        one over the same ranks, so that reduce-scatters need not queue behind all-gathers."""
+        layout = self.layout
+        if not separate:
+            return layout.comm
+        if layout.separate is None:
+            layout.separate = Comm.of(self.mesh, self.mesh.ndim - 1, layout.comm.streams, separate=True)
+        return layout.separate
 
 
 def still_on_meta(names: list[str]) -> RuntimeError:
@@ -71,27 +120,28 @@ def still_on_meta(names: list[str]) -> RuntimeError:
 
 
 class ParamGroup:
-    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, options: GroupOptions, post_forward_mesh: DeviceMesh | None = None) -> None:
-        self.params = params
+    def __init__(self, parts: list[MeshPart], options: GroupOptions) -> None:
+        self.parts = parts  # one per mesh, the first for the mesh fully_shard was given
+        self.params = [p for part in parts for p in part.params]
         self.options = options  # shared with the group's state: the set_* knobs
-        # 1-D (FSDP) or 2-D (HSDP: replicate, shard); reshard_after_forward=R: (world / R, R).
-        self.meshes = (mesh, post_forward_mesh)
-        self.mesh_size = mesh.size()  # the gradients' default divisor: every rank of the mesh
-        if post_forward_mesh is not None:
-            for p in params:
-                p.set_post_forward(post_forward_mesh.size(1), post_forward_mesh.get_local_rank(1))
         self.name = ""  # the owning modules' FQNs, set at lazy init
         self.storage = Storage.SHARDED
-        self.layout: Layout | None = None  # at lazy init
+        self.initialized = False  # lazy init made the buffers and the collectives' layouts
+        self.gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
         self.gathering: list[PendingAllGather] = []  # issued, not yet waited for
         self.reducing: list[PendingReduction] = []  # issued, not yet finished
         optim.install_once()
         optim.groups.add(self)  # an optimizer step makes gathered data stale
 
     @property
-    def world(self) -> int:
-        """The ranks the parameters are sharded over."""
-        return self.meshes[0].size(self.meshes[0].ndim - 1)
+    def mesh(self) -> DeviceMesh:
+        """The mesh fully_shard was given (the first part's)."""
+        return self.parts[0].mesh
+
+    @property
+    def has_post_forward_mesh(self) -> bool:
+        """``reshard_after_forward=R``: some part keeps 1/R of its parameters after forward."""
+        return any(part.post_forward_mesh is not None for part in self.parts)
 
     @property
     def is_unsharded(self) -> bool:
@@ -99,9 +149,10 @@ class ParamGroup:
 
     def drop_post_forward_mesh(self) -> None:
         """``set_reshard_after_forward(bool)`` replaces an int: reshard to the whole mesh or not at all."""
-        self.meshes = (self.meshes[0], None)
-        if self.layout is not None:
-            self.layout.post_forward = None
+        for part in self.parts:
+            part.post_forward_mesh = None
+            if part.layout is not None:
+                part.layout.post_forward = None
 
     def lazy_init(self) -> None:
         for p in self.params:
@@ -112,16 +163,9 @@ class ParamGroup:
             raise still_on_meta(meta)
         for p in self.params:
             p.alloc_unsharded()
-        mesh, post_mesh = self.meshes
-        streams = streams_for(self.params[0].device)
-        comm = Comm.of(mesh, mesh.ndim - 1, streams)
-        replicate = Comm.of(mesh, 0, streams) if mesh.ndim == 2 else None
-        post, post_bucket = None, None
-        if post_mesh is not None:  # "dp/R" in the trace
-            post = Comm.of(post_mesh, 1, streams, f"{comm.mesh_dim}/{post_mesh.size(1)}")
-            post_bucket = GatherBucket(self.params, post.world, post_forward=True)
-        all_gather = GatherBucket(self.params, self.world)
-        self.layout = Layout(comm, replicate, post, all_gather, reduce_buckets(self.params, self.world), post_bucket)
+        for part in self.parts:
+            part.make_layout()
+        self.initialized = True
 
     # Unshard / reshard -------------------------------------------------------------------
     def unshard(self) -> None:
@@ -141,15 +185,18 @@ class ParamGroup:
                 "not initialized (call init_process_group first, and do not destroy it while "
                 "training)."
             )
-        if self.layout is None:
+        if not self.initialized:
             self.lazy_init()
-        layout = self.layout
-        if self.holds_post_forward and layout.post_forward is not None and self._fresh():
-            comm, bucket = layout.post_forward, layout.post_forward_bucket
-        else:
-            comm, bucket = layout.comm, layout.all_gather
-            layout.gathered_version = self._shard_version()
-        self.gathering = [collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather)]
+        fresh = self._fresh()
+        self.gathered_version = self._shard_version()
+        self.gathering = []
+        for part in self.parts:  # one all-gather per mesh
+            layout = part.layout
+            if part.holds_post_forward and layout.post_forward is not None and fresh:
+                comm, bucket = layout.post_forward, layout.post_forward_bucket
+            else:
+                comm, bucket = layout.comm, layout.all_gather
+            self.gathering.append(collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather))
         self._drop_post_forward()  # the handles keep them until the all-gather is waited for
         self.storage = Storage.GATHERING
 
@@ -178,10 +225,11 @@ class ParamGroup:
         """After forward with ``reshard_after_forward=R``: keep this rank's 1/R of every
         parameter for the backward all-gather among R ranks, free the rest."""
         self.wait_for_unshard()
+        kept = [part for part in self.parts if part.layout.post_forward is not None]
         if self.storage is not Storage.SHARDED:
-            for p in self.params:
+            for p in (p for part in kept for p in part.params):
                 p.keep_post_forward_shard()
-        self._reshard(True, f"(1/{self.layout.post_forward.world} kept)")
+        self._reshard(True, "(" + ", ".join(f"1/{part.layout.post_forward.world} kept" for part in kept) + ")")
 
     def _reshard(self, free: bool, detail: str) -> None:
         self.wait_for_unshard()
@@ -196,14 +244,11 @@ class ParamGroup:
                 p.free_unsharded()
             self.storage = Storage.SHARDED
 
-    @property
-    def holds_post_forward(self) -> bool:
-        return self.params[0].post_forward_shard is not None
-
     def _drop_post_forward(self) -> None:
-        if self.holds_post_forward:
-            for p in self.params:
-                p.post_forward_shard = None
+        for part in self.parts:
+            if part.holds_post_forward:
+                for p in part.params:
+                    p.post_forward_shard = None
 
     def _register_unsharded(self) -> None:
         for p in self.params:
@@ -214,7 +259,7 @@ class ParamGroup:
 
     def _fresh(self) -> bool:
         """No optimizer step and no in-place edit of the shards since we last gathered."""
-        return self.layout.gathered_version == self._shard_version()
+        return self.gathered_version == self._shard_version()
 
     def _shard_version(self) -> int:
         """In-place edits of the sharded parameters outside an optimizer step bump this."""
@@ -228,34 +273,27 @@ class ParamGroup:
         Every trainable parameter takes part, with a zero gradient where this rank has none,
         so ranks that used different parameters still issue the same collectives.
         """
-        if self.layout is None:
+        if not self.initialized:
             return  # never ran: no gradients
         if not self.options.requires_gradient_sync:
             for p in self.params:
                 if p.requires_grad:
                     p.accumulate_unreduced_grad()
             return
-        for bucket in self.layout.reduce_scatter:
-            trainable = [p for p in bucket.params if p.requires_grad]
-            if trainable:  # frozen parameters get no reduction
-                grads = [p.take_unsharded_grad() for p in trainable]
-                sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
-                self.reducing.append(collectives.reduce_scatter(sub, grads, self._reduce_comm(), self.name, self._reduction(sub)))
+        for part in self.parts:
+            comm = part.reduce_comm(self.options.separate_reduce_scatter)
+            for bucket in part.layout.reduce_scatter:
+                trainable = [p for p in bucket.params if p.requires_grad]
+                if trainable:  # frozen parameters get no reduction
+                    grads = [p.take_unsharded_grad() for p in trainable]
+                    sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
+                    self.reducing.append(collectives.reduce_scatter(sub, grads, comm, self.name, self._reduction(part, sub)))
 
-    def _reduce_comm(self) -> Comm:
-        """The shard dim's process group, or (``set_separate_reduce_scatter_group``) a second
-        one over the same ranks, so that reduce-scatters need not queue behind all-gathers."""
-        layout = self.layout
-        if not self.options.separate_reduce_scatter:
-            return layout.comm
-        if layout.separate is None:
-            layout.separate = Comm.of(self.meshes[0], self.meshes[0].ndim - 1, layout.comm.streams, separate=True)
-        return layout.separate
-
-    def _reduction(self, bucket: Bucket) -> collectives.Reduction:
-        layout = self.layout
+    def _reduction(self, part: MeshPart, bucket: Bucket) -> collectives.Reduction:
+        layout = part.layout
         options = self.options
-        how = collectives.Reduction(options.gradient_divide_factor or self.mesh_size, custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
+        # The default divisor: every rank of the part's mesh (both dims for HSDP).
+        how = collectives.Reduction(options.gradient_divide_factor or part.mesh.size(), custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
         if options.all_reduce_hook is not None:
             how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP
@@ -280,4 +318,6 @@ class ParamGroup:
         """Forget buffer layouts after the parameters' dtype or device changed."""
         self.reshard()
         self.finish_reduce()
-        self.layout = None
+        self.initialized = False
+        for part in self.parts:
+            part.layout = None

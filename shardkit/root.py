@@ -51,7 +51,7 @@ def lazy_init(root: GroupState) -> Schedule:
     for state in states:
         if state.group is not None:
             state.group.name = state.name
-            if state.group.layout is None:  # else an explicit unshard() before this forward made it
+            if not state.group.initialized:  # else an explicit unshard() before this forward made it
                 state.group.lazy_init()
     shared.schedule = Schedule(states, root.device, shared)
     set_lockstep(shared, shared.options.lockstep)

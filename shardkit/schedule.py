@@ -173,7 +173,7 @@ class Schedule:
     def reshard_after_forward(self, state: GroupState, call: Call) -> None:
         group, reshard = state.group, state.options.reshard_after_forward
         if group is not None and not any(b.step.phase is Phase.FORWARD for b in state.links.borrowers):
-            if reshard and group.meshes[1] is not None and self.uses_post_forward_shards and torch.is_grad_enabled():
+            if reshard and group.has_post_forward_mesh and self.uses_post_forward_shards and torch.is_grad_enabled():
                 group.reshard_to_post_forward()  # keep 1/R for the backward all-gather among R ranks
             elif reshard:
                 group.reshard()

@@ -202,7 +202,7 @@ def state_of(module: nn.Module) -> GroupState | None:
 def class_name(module: nn.Module) -> str:
     """The user's class name, without the ``FSDP`` subclass that fully_shard swaps in."""
     cls = type(module)
-    return cls.__mro__[2].__name__ if state_of(module) is not None else cls.__name__
+    return cls.__mro__[cls._orig_cls_mro_index].__name__ if state_of(module) is not None else cls.__name__
 
 
 def is_root(state: GroupState) -> bool | None:

@@ -73,6 +73,45 @@ def dp_tp_spec(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int, where: str) 
     return DTensorSpec(mesh, (dp, *tp_spec.placements), meta)
 
 
+def spmd_spec(spmd, tp_spec: DTensorSpec, dim: int, where: str) -> DTensorSpec:
+    """The sharded parameter's spec on a full SPMD mesh (``dp_mesh_dims``): the parameter's own
+    placements, with ``Shard(dim)`` on the data-parallel shard dim (a ``_StridedShard`` where a
+    later mesh dim shards the same tensor dim: fully_shard splits the already-split local
+    tensor). Several shard dims are one flattened dim of the spec's mesh, as in FSDP2."""
+    mesh = tp_spec.mesh
+    if mesh != spmd.mesh:
+        raise ValueError(
+            f"{where} is a DTensor on {mesh}, not on the mesh passed to fully_shard with dp_mesh_dims "
+            f"({spmd.mesh}); distribute it on that full mesh."
+        )
+    for i in spmd.shard + spmd.replicate:
+        if not isinstance(tp_spec.placements[i], Replicate):
+            raise ValueError(
+                f"{where}: expected Replicate() on the data-parallel dim '{mesh.mesh_dim_names[i]}' (index {i}), "
+                f"got {tp_spec.placements[i]}; fully_shard shards it over that dim itself."
+            )
+    placements = list(tp_spec.placements)
+    for i in spmd.shard:
+        split = math.prod(mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(placements[j], Shard) and placements[j].dim == dim)
+        placements[i] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    meta = TensorMeta(tp_spec.shape, contiguous_stride(tp_spec.shape), tp_spec.tensor_meta.dtype)
+    if len(spmd.shard) == 1:
+        return DTensorSpec(mesh, tuple(placements), meta)
+    # Several shard dims: one flattened dim in place of the first (HSDP: the replicate dims
+    # move in front of it, as the 2-D data-parallel mesh has them).
+    submeshes, spec_placements, hsdp = [], [], bool(spmd.replicate)
+    for i, name in enumerate(mesh.mesh_dim_names):
+        if i == spmd.shard[0]:
+            submeshes.append(spmd.dp_mesh)
+            spec_placements += [Replicate()] * hsdp + [placements[i]]
+        elif i in spmd.shard or (hsdp and i in spmd.replicate):
+            continue
+        else:
+            submeshes.append(mesh[name])
+            spec_placements.append(placements[i])
+    return DTensorSpec(DeviceMesh._concatenate(submeshes), tuple(spec_placements), meta)
+
+
 def with_size(shape: torch.Size, dim: int, size: int) -> torch.Size:
     """``shape`` with dimension ``dim`` set to ``size``."""
     return torch.Size((*shape[:dim], size, *shape[dim + 1 :]))

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.dtensor import extension
-from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, to_dtensor, with_size
+from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, spmd_spec, to_dtensor, with_size
 from shardkit.dtensor.storage import free_storage
 from shardkit.options import ParamOptions
 
@@ -62,6 +62,7 @@ class ShardedParam:
         device: torch.device,
         options: ParamOptions = ParamOptions(),
         dim: int = 0,
+        spmd=None,
     ):
         if param.dim() == 0:
             raise ValueError(
@@ -73,6 +74,13 @@ class ShardedParam:
         self.mesh = mesh  # 1-D, or 2-D (replicate, shard)
         self.world, self.rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        if spmd is not None and self.tp_spec is None:
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): parameter '{slots[0].name}' of {type(slots[0].module).__name__} "
+                "is a plain tensor; with dp_mesh_dims every parameter must be a DTensor on the full mesh "
+                "(Replicate() on the data-parallel dims), e.g. via distribute_tensor or parallelize_module."
+            )
+        self.dp_dims = spmd.dims if spmd is not None else frozenset()  # the full mesh's data-parallel dims
         local = param._local_tensor if self.tp_spec is not None else param  # what FSDP shards
         self.shape, self.dtype = local.shape, local.dtype
         self.dim = dim
@@ -95,7 +103,10 @@ class ShardedParam:
         self.padded_shape = with_size(self.shape, dim, self.padded_rows)
         self.shard_numel = self.padded_shape.numel()
         tp = self.tp_spec
-        self.spec = sharded_spec(mesh, self.shape, self.dtype, dim) if tp is None else dp_tp_spec(mesh, tp, dim, where)
+        if spmd is not None:
+            self.spec = spmd_spec(spmd, tp, dim, where)
+        else:
+            self.spec = sharded_spec(mesh, self.shape, self.dtype, dim) if tp is None else dp_tp_spec(mesh, tp, dim, where)
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
         self._shard_mesh: DeviceMesh | None = None  # the hooks' 1-D mesh, made at the first all-gather
         self.unsharded_flat: torch.Tensor | None = None
@@ -287,10 +298,14 @@ class ShardedParam:
         return grad
 
     def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """A TP parameter's gradient as the local tensor of the TP placements."""
+        """A TP parameter's gradient as the local tensor of the TP placements. On a full SPMD
+        mesh the data-parallel dims keep their placement (a Partial there is this rank's part
+        of the sum, which the reduce-scatter adds up)."""
         if isinstance(grad, DTensor):
-            if grad.placements != self.tp_spec.placements:  # e.g. Partial: reduce over tp first
-                grad = grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
+            spec = self.tp_spec
+            target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, spec.placements)))
+            if grad.placements != target:  # e.g. Partial: reduce over tp first
+                grad = grad.redistribute(spec.mesh, target)
             grad = grad._local_tensor
         return grad
 

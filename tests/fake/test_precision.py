@@ -172,7 +172,7 @@ def test_reshard_after_forward_int_without_grad_frees_everything():
         with torch.no_grad():
             net(torch.randn(2, 16))
         group = net.blocks[0]._shardkit().group
-        assert not group.holds_post_forward and group.storage is Storage.SHARDED
+        assert not any(part.holds_post_forward for part in group.parts) and group.storage is Storage.SHARDED
 
 
 def test_set_reshard_after_forward_bool_replaces_the_int():

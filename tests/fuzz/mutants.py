@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # name: (file, the line as it is, the line as the mutant has it, what it breaks)
 MUTANTS = {
-    "stale-mark-dropped": ("shardkit/optim.py", "group.layout.gathered_version = None", "pass",
+    "stale-mark-dropped": ("shardkit/optim.py", "group.gathered_version = None", "pass",
                            "an optimizer step no longer marks gathered data stale"),
     "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):", "if averages:",
                                 "the backend averages even when the user's divide factor is not the world"),
@@ -45,7 +45,7 @@ MUTANTS = {
                              "forward prefetch issues the group after the next one"),
     "root-reduce-dropped": ("shardkit/schedule.py", "            else:\n                self._reduce(state)", "            elif state is not self.states[0]:\n                self._reduce(state)",
                             "the root group's gradients are never reduced"),
-    "all-gather-reused-across-steps": ("shardkit/param_group.py", "return self.layout.gathered_version == self._shard_version()", "return True",
+    "all-gather-reused-across-steps": ("shardkit/param_group.py", "return self.gathered_version == self._shard_version()", "return True",
                                        "kept unsharded data is reused after an optimizer step"),
     "unshard-before-forward": ("shardkit/dtensor/replaced.py", "if registered is p.sharded_param or registered is p.unsharded_param:", "if registered is p.sharded_param:",
                                "bug 1: an explicit unshard() before the first forward replaces the parameters"),
