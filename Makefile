@@ -64,7 +64,7 @@ test-fast: $(STAMP)
 # tests but tests/examples here, test-sim then tests/examples beside them (their output after).
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
-	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py
+	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py
 
 test: $(STAMP)
 	@log=$$(mktemp); \

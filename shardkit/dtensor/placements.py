@@ -42,7 +42,21 @@ def row_numel(shape: tuple[int, ...]) -> int:
 _dp_tp_meshes: dict = {}  # (dp mesh, tp mesh) ids -> their concatenation, made once
 
 
-def sharded_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int) -> DTensorSpec:
+def sharded_spec(mesh: DeviceMesh, tp_spec: DTensorSpec | None, shape: torch.Size, dtype: torch.dtype, dim: int, spmd, where: str) -> DTensorSpec:
+    """The sharded parameter's spec: of a plain parameter (``dp_spec``), of a tensor-parallel
+    one (``dp_tp_spec``), or of one on a full SPMD mesh (``spmd_spec``)."""
+    if spmd is not None:
+        if tp_spec is None:
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): {where} is a plain tensor; with dp_mesh_dims every parameter "
+                "must be a DTensor on the full mesh (Replicate() on the data-parallel dims), e.g. via "
+                "distribute_tensor or parallelize_module."
+            )
+        return spmd_spec(spmd, tp_spec, dim, where)
+    return dp_spec(mesh, shape, dtype, dim) if tp_spec is None else dp_tp_spec(mesh, tp_spec, dim, where)
+
+
+def dp_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int) -> DTensorSpec:
     """``Shard(dim)`` over a 1-D mesh; ``(Replicate(), Shard(dim))`` over a 2-D one (HSDP)."""
     placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(dim),)
     return DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))

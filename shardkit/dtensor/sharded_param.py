@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.dtensor import extension
-from shardkit.dtensor.placements import dp_tp_spec, local_rows, padded_rows, row_numel, sharded_spec, spmd_spec, to_dtensor, with_size
+from shardkit.dtensor.placements import local_rows, padded_rows, row_numel, sharded_spec, to_dtensor, with_size
 from shardkit.dtensor.storage import free_storage
 from shardkit.options import ParamOptions
 
@@ -74,12 +74,6 @@ class ShardedParam:
         self.mesh = mesh  # 1-D, or 2-D (replicate, shard)
         self.world, self.rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
-        if spmd is not None and self.tp_spec is None:
-            raise ValueError(
-                f"fully_shard(dp_mesh_dims=...): parameter '{slots[0].name}' of {type(slots[0].module).__name__} "
-                "is a plain tensor; with dp_mesh_dims every parameter must be a DTensor on the full mesh "
-                "(Replicate() on the data-parallel dims), e.g. via distribute_tensor or parallelize_module."
-            )
         self.dp_dims = spmd.dims if spmd is not None else frozenset()  # the full mesh's data-parallel dims
         local = param._local_tensor if self.tp_spec is not None else param  # what FSDP shards
         self.shape, self.dtype = local.shape, local.dtype
@@ -102,11 +96,7 @@ class ShardedParam:
         self.local_rows = local_rows(rows, self.world, self.rank)
         self.padded_shape = with_size(self.shape, dim, self.padded_rows)
         self.shard_numel = self.padded_shape.numel()
-        tp = self.tp_spec
-        if spmd is not None:
-            self.spec = spmd_spec(spmd, tp, dim, where)
-        else:
-            self.spec = sharded_spec(mesh, self.shape, self.dtype, dim) if tp is None else dp_tp_spec(mesh, tp, dim, where)
+        self.spec = sharded_spec(mesh, self.tp_spec, self.shape, self.dtype, dim, spmd, where)
         self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
         self._shard_mesh: DeviceMesh | None = None  # the hooks' 1-D mesh, made at the first all-gather
         self.unsharded_flat: torch.Tensor | None = None
