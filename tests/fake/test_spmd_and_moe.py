@@ -153,6 +153,8 @@ out.bias (8,) ('dp',) (Shard(dim=0),) local (2,)""")
     # One group, two meshes: one all-gather and one reduce-scatter on each, in one trace.
     assert [(e.kind, e.group, e.world, e.mesh_dim) for e in t.collectives() if e.kind in ("all_gather", "reduce_scatter")] == [
         ("all_gather", "", 4, "dp"), ("all_gather", "", 2, "efsdp"), ("reduce_scatter", "", 4, "dp"), ("reduce_scatter", "", 2, "efsdp")]
+    # Each mesh's gradients averaged over its own ranks (ReduceOp.AVG where the backend has it).
+    assert [(e.mesh_dim, e.op, e.divide_by) for e in t.collectives("reduce_scatter")] == [("dp", "avg", 1), ("efsdp", "avg", 1)]
 
 
 def test_moe_with_shardkits_own_placement_result_and_a_device_mesh():

@@ -57,6 +57,7 @@ class Spec:
     mesh: str = "1d"  # "1d" | "hsdp" (replicate, shard) = (2, world/2) | "hsdp1" = (1, world)
     foreach: bool = False  # AdamW's multi-tensor path, which bumps no version counter
     unused: bool = False  # each block holds a Linear its forward never calls (.grad stays None)
+    param_mesh: bool = False  # the blocks' lin.weight on a mesh of its own (ShardPlacementResult): HSDP (2, world / 2), (1, 2) at world 2
 
 
 class Boom(RuntimeError):
@@ -127,15 +128,22 @@ def impl_api(impl: str):
     return api
 
 
-def shard(model: Net, spec: Spec, impl: str, mesh) -> None:
+def shard(model: Net, spec: Spec, impl: str, mesh, meshes: dict | None = None) -> None:
     api = impl_api(impl)
     kwargs = {"mesh": mesh}
     if spec.mp:
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    placement = {}
+    if spec.param_mesh:  # FSDP2's per-parameter mesh, given as FSDP2 takes it (one object per mesh)
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+
+        own = HSDPMeshInfo(meshes["hsdp" if dist.get_world_size() >= 4 else "hsdp1"], shard_mesh_dim=1, replicate_mesh_dim=0)
+        weights = {id(block.lin.weight) for block in model.blocks}
+        placement["shard_placement_fn"] = lambda p: ShardPlacementResult(None, own) if id(p) in weights else None
     for block in model.blocks:
         if block.inner is not None:
             api.fully_shard(block.inner, **kwargs)
-        api.fully_shard(block, reshard_after_forward=spec.reshard, **kwargs)
+        api.fully_shard(block, reshard_after_forward=spec.reshard, **kwargs, **placement)
     if spec.tied == "across":
         api.fully_shard(model.head, **kwargs)
     api.fully_shard(model, **kwargs)
@@ -221,7 +229,7 @@ class Run:
 
     def __init__(self, spec: Spec, meshes: dict, numerics: bool, compare_collectives: bool, impls=("shardkit", "torch")) -> None:
         self.spec, self.numerics, self.compare_collectives = spec, numerics, compare_collectives
-        self.mesh = meshes[spec.mesh]
+        self.mesh, self.meshes = meshes[spec.mesh], meshes
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         torch.manual_seed(0)
@@ -232,7 +240,7 @@ class Run:
             model = copy.deepcopy(base)
             side = Side(impl, model)
             try:
-                shard(model, spec, impl, self.mesh)
+                shard(model, spec, impl, self.mesh, meshes)
             except Exception as e:  # FSDP2 rejects this model: shardkit alone
                 if impl == "shardkit":
                     raise
@@ -466,7 +474,47 @@ class Run:
             self.ref_loss.backward()
         self.ref_loss = None
         for g in self.groups:
-            self.unreduced[g] = not (self.sync[g] and (self.all_reduce[g] or self.spec.mesh == "1d"))
+            self.unreduced[g] = not (self.sync[g] and (self.all_reduce[g] or not self.hsdp(g)))
+        return True
+
+    def hsdp(self, group: str) -> bool:
+        """Whether some of the group's parameters are on a 2-D mesh (set_requires_all_reduce
+        applies): all, or with ``param_mesh`` the blocks' lin.weight."""
+        return self.spec.mesh != "1d" or self.spec.param_mesh and group.startswith("blocks.") and group.count(".") == 1
+
+    def do_pipeline_microbatches(self, seed: int, n: int, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """What torch.distributed.pipelining does to a stage module over one step: before each
+        microbatch's backward, gradient sync, resharding after backward and "last backward"
+        off; then all on, every group's ``post_backward()`` and the root's final callback,
+        reached through torch's ``fully_shard.state`` (shardkit: its FSDP2 view)."""
+        if dry:
+            return self.idle() and not self.lockstep and not self.unwaited
+        if side is None:
+            for i in range(n):
+                self.do_forward(seed + i, reference=reference)
+                self.do_backward(reference=reference)
+            self.sync = dict.fromkeys(self.groups, True)
+            self.all_reduce = dict.fromkeys(self.groups, True)
+            self.unreduced = dict.fromkeys(self.groups, False)
+            self.kept_after_backward.clear()
+            return True
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        root = side.model
+        for i in range(n):
+            root.set_is_last_backward(False)
+            root.set_reshard_after_backward(False)
+            root.set_requires_gradient_sync(False)
+            self.do_forward(seed + i, side)
+            self.do_backward(side)
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = torch_fully_shard.state(root)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
         return True
 
     def do_step(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

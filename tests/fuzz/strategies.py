@@ -10,6 +10,11 @@ seeds = st.integers(0, 2**16)
 targets = st.sampled_from(TARGETS)
 
 
+def own_shard_size(world: int) -> int:
+    """The shard dim of the mesh ``Spec.param_mesh`` puts the blocks' lin.weight on."""
+    return world // 2 if world >= 4 else world
+
+
 @st.composite
 def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
@@ -17,16 +22,20 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
     shard_size = world // 2 if mesh == "hsdp" else world
     ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0]  # reshard to R ranks after forward
+    reshard = draw(st.sampled_from([True, False, *ints]))
     return Spec(
         blocks=draw(st.sampled_from([2, 3])),
         nested=draw(st.booleans()),
         mixed=False if fsdp2_only else draw(st.booleans()),
         tied=draw(st.sampled_from(["none", "same"] if fsdp2_only else ["none", "same", "across"])),
         mp=draw(st.booleans()),
-        reshard=draw(st.sampled_from([True, False, *ints])),
+        reshard=reshard,
         mesh=mesh,
         foreach=draw(st.booleans()),
         unused=draw(st.booleans()),
+        # the blocks' lin.weight on an HSDP mesh of its own, the rest on a 1-D one (an int
+        # reshard_after_forward must divide both meshes' shard dims)
+        param_mesh=mesh == "1d" and world % 2 == 0 and (isinstance(reshard, bool) or own_shard_size(world) % reshard == 0) and draw(st.booleans()),
     )
 
 
@@ -65,6 +74,7 @@ def commands() -> st.SearchStrategy[tuple]:
         st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
         st.tuples(st.just("raise_in_forward"), seeds),
         st.just(("to_float64",)),
+        st.tuples(st.just("pipeline_microbatches"), seeds, st.integers(1, 3)),
     )
 
 
