@@ -13,13 +13,14 @@ from shardkit.comm.trace import Trace, trace
 from shardkit.memtrack import MemTracker
 from shardkit.planner import Plan, apply_plan, plan
 from shardkit.meshes import DataParallelMeshDims
-from shardkit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from shardkit.module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "GradientReductionHandle",
     "register_fsdp_forward_method",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -103,7 +104,10 @@ def fully_shard(
     for p, s in slots.items():
         dim, param_mesh = _placement(p, s, shard_placement_fn)
         param_mesh = dp_mesh if param_mesh is None else param_mesh
-        sharded = ShardedParam(p, s, param_mesh, device, options, dim, spmd if param_mesh is dp_mesh else None)
+        own = options
+        if mp_policy.param_dtype_override_fn is not None:
+            own = dataclasses.replace(options, param_dtype=mp_policy.param_dtype_for(p, f"'{s[0].name}' of {class_name(s[0].module)}"))
+        sharded = ShardedParam(p, s, param_mesh, device, own, dim, spmd if param_mesh is dp_mesh else None)
         by_mesh.setdefault(_mesh_key(param_mesh), (param_mesh, []))[1].append(sharded)
         sharded_of[p] = sharded
 

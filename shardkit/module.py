@@ -113,6 +113,38 @@ class FSDPModule(_TorchFSDPModule):
         last one forgets the forward order that backward prefetching follows. Call on the root."""
         self._shardkit().root.options.is_last_backward = is_last_backward
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2's (torch 2.15): keep the unsharded storage across reshard and unshard (its
+        data pointers, for CUDA graph capture). Accepted; no effect: shardkit frees it on
+        reshard and allocates it again at the next unshard (the results are the same), said
+        once by a warning."""
+        _warn_once("set_keep_unsharded_storage", "shardkit frees the unsharded storage at reshard and allocates it "
+                   "again at unshard (the results are the same; its data pointers change)")
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2's (torch 2.15): ``True``: the caller ends the step's backward with
+        ``finalize_backward()`` (after backwards with gradient sync off, it reduces what they
+        accumulated); the end of each backward then no longer counts as the step's last
+        (``set_is_last_backward``). Call on the root."""
+        state = self._shardkit()
+        if is_root(state) is False:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
+        state.root.options.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
+        """FSDP2's (torch 2.15): end the step's backward: issue the reductions of the gradients
+        accumulated with gradient sync off, then finish every reduction and reshard as the
+        settings say. ``async_op=True``: return a handle; its ``wait()`` finishes. A no-op
+        before the first forward. Call on the root."""
+        schedule = self._shardkit().schedule
+        if schedule is not None:
+            schedule.finalize_backward()
+        handle = GradientReductionHandle(schedule.finish_backward if schedule is not None else None)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """After this module's all-gather in forward, issue those modules' all-gathers."""
         self._shardkit().options.forward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "forward")]
@@ -239,6 +271,19 @@ class UnshardHandle:
             self._group = None
 
 
+class GradientReductionHandle:
+    """Returned by ``finalize_backward(async_op=True)``; ``wait()`` finishes the reductions
+    (the gradients are ready after it)."""
+
+    def __init__(self, finish: Callable[[], None] | None = None) -> None:
+        self._finish = finish
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run the pre/post-forward hooks around ``module.<method_name>`` (e.g. ``generate``) as
     around ``forward``. A no-op if ``module`` is not an FSDPModule."""
@@ -271,14 +316,13 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 _warned: set[str] = set()
 
 
-def _warn_once(call: str) -> None:
+_BUFFERS = "shardkit allocates its communication buffers with the default allocator (the results are the same; only where the buffers live differs)"
+
+
+def _warn_once(call: str, why: str = _BUFFERS) -> None:
     if call not in _warned:
         _warned.add(call)
-        warnings.warn(
-            f"shardkit: {call} has no effect: shardkit allocates its communication buffers with "
-            "the default allocator (the results are the same; only where the buffers live differs).",
-            stacklevel=3,
-        )
+        warnings.warn(f"shardkit: {call} has no effect: {why}.", stacklevel=3)
 
 
 def _check_comm(comm: Any, method: str) -> None:

@@ -41,6 +41,7 @@ class RootOptions:
     lazy init makes the root's the one its whole tree shares (as FSDP2's state context)."""
 
     is_last_backward: bool = True  # False: the next backward is not the last of the step (microbatches)
+    manual_finalization: bool = False  # set_manual_backward_finalization: finalize_backward() ends the step's backward
     lockstep: bool = False  # agree on every collective first (shardkit/lockstep.py)
     post_optim_event: Any = None  # the next forward's all-gathers wait for it, then drop it
 

@@ -289,6 +289,11 @@ class ParamGroup:
                     sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
                     self.reducing.append(collectives.reduce_scatter(sub, grads, comm, self.name, self._reduction(part, sub)))
 
+    def holds_unreduced_grads(self) -> bool:
+        """Gradients from backwards with gradient sync off, or from one whose reduction has
+        not been issued, wait for a reduction."""
+        return any(p.accumulated_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None) for p in self.params)
+
     def _reduction(self, part: MeshPart, bucket: Bucket) -> collectives.Reduction:
         layout = part.layout
         options = self.options

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -16,6 +17,23 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    # FSDP2's since torch 2.15: per parameter, its original dtype keeps it unconverted; None
+    # (or param_dtype) gives it param_dtype. Called once per parameter, at fully_shard.
+    param_dtype_override_fn: Callable[[torch.nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True)
+
+    def param_dtype_for(self, param: torch.nn.Parameter, where: str) -> torch.dtype | None:
+        """``param``'s all-gather and compute dtype (None: its own)."""
+        if self.param_dtype_override_fn is None:
+            return self.param_dtype
+        dtype = self.param_dtype_override_fn(param)
+        if dtype is None or dtype == self.param_dtype:
+            return self.param_dtype
+        if dtype != param.dtype:
+            raise ValueError(
+                f"param_dtype_override_fn returned {dtype} for {where} ({param.dtype}); return None, "
+                f"param_dtype ({self.param_dtype}) or the parameter's own dtype."
+            )
+        return None
 
 
 @dataclass
@@ -39,7 +57,8 @@ def check_policies(mp_policy: object, offload_policy: object) -> tuple[MixedPrec
     messages that say what to pass instead."""
     if not all(hasattr(mp_policy, f) for f in _FIELDS):
         raise TypeError(f"mp_policy should be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    mp = MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in _FIELDS})
+    override = getattr(mp_policy, "param_dtype_override_fn", None)  # torch 2.15's field
+    mp = MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in _FIELDS}, param_dtype_override_fn=override)
     for field in _FIELDS[:3]:
         dtype = getattr(mp, field)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):

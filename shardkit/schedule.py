@@ -105,6 +105,19 @@ class Schedule:
         for state in reversed(self.states):  # backward order: blocks last-to-first, root last
             if state.step.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
                 self.fire(state, Event.POST_BACKWARD)
+        options = self.root.options
+        self.finish_backward(last=options.is_last_backward and not options.manual_finalization)
+
+    def finalize_backward(self) -> None:
+        """``finalize_backward()`` (manual finalization, after backwards with gradient sync
+        off): reduce the gradients the groups hold unreduced; ``finish_backward`` finishes."""
+        for state in reversed(self.states):
+            if state.group is not None and state.options.requires_gradient_sync and state.group.holds_unreduced_grads():
+                self.fire(state, Event.POST_BACKWARD)
+
+    def finish_backward(self, last: bool = True) -> None:
+        """Finish every reduction, every group back to IDLE; ``last``: the step's backward is
+        over (forget the order backward prefetching followed)."""
         for state in self.states:
             if state.step.deferred_reduce:  # the groups using its tied weights never ran backward
                 state.step.deferred_reduce = False
@@ -118,7 +131,7 @@ class Schedule:
         for state in self.states:
             self.fire(state, Event.FINALIZE)
         self.in_backward = False
-        if self.root.options.is_last_backward:
+        if last:
             self.orders.post_forward.clear()
             for state in self.states:
                 state.step.backward_index.clear()

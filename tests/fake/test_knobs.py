@@ -334,3 +334,51 @@ def test_a_user_divide_factor_sums_and_divides_after(mesh8, monkeypatch):
             module.set_gradient_divide_factor(4.0)
     ops, divisors = reduce_ops_and_divisions(net, monkeypatch, first_step)
     assert (ops, divisors) == ({torch.distributed.ReduceOp.SUM}, {4.0})
+
+
+def test_set_manual_backward_finalization_and_finalize_backward():
+    """torch 2.15's pipelining: microbatch backwards with gradient sync off, then
+    finalize_backward(async_op=True) issues one reduction per group; wait() finishes them."""
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        net.set_manual_backward_finalization(True)
+        net.set_requires_gradient_sync(False)
+        with shardkit.trace() as t:
+            for _ in range(2):
+                net(torch.randn(4, 8)).sum().backward()
+            assert not t.collectives("reduce_scatter") and all(p.grad is None for p in net.parameters())
+            net.set_requires_gradient_sync(True)
+            handle = net.finalize_backward(async_op=True)
+            assert calls(t, "reduce_scatter") == Counter({"": 1, "blocks.0": 1, "blocks.1": 1, "blocks.2": 1})
+            handle.wait()
+        assert all(p.grad is not None for p in net.parameters())
+        assert net.finalize_backward() is None  # nothing left: no reduction
+        assert len(t.collectives("reduce_scatter")) == 4
+        with pytest.raises(RuntimeError, match="must be called on the root"):
+            net.blocks[0].set_manual_backward_finalization(True)
+        net.set_manual_backward_finalization(False)
+
+
+def test_set_keep_unsharded_storage_is_accepted_and_said_to_do_nothing():
+    with fake_world(4) as mesh:
+        net = sharded(mesh)
+        with pytest.warns(UserWarning, match="set_keep_unsharded_storage has no effect"):
+            net.set_keep_unsharded_storage(True)
+        t = first_step(net)
+    assert calls(t, "reduce_scatter") == Counter({"": 1, "blocks.0": 1, "blocks.1": 1, "blocks.2": 1})
+
+
+def test_param_dtype_override_fn_keeps_chosen_parameters_in_their_dtype():
+    """torch 2.15's MixedPrecisionPolicy field: the blocks' biases stay float32 while the rest
+    computes in bfloat16."""
+    with fake_world(4) as mesh:
+        torch.manual_seed(0)
+        net = TanhStack(2, dim=8)
+        keep = {id(b[0].bias) for b in net.blocks}
+        mp = shardkit.MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: p.dtype if id(p) in keep else None)
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        group = net.blocks[0]._shardkit().group
+        assert [p.param_dtype for p in group.params] == [torch.bfloat16, torch.float32]
+        with pytest.raises(ValueError, match="param_dtype_override_fn returned torch.float16 for 'weight' of Linear"):
+            fully_shard(net.inp, mesh=mesh, mp_policy=shardkit.MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16))
