@@ -113,12 +113,24 @@ class Counting:
         return compile_graph
 
 
-def hook_signatures(impl: str) -> list[str]:
-    """How dynamo names the hook it stops at, in its graph-break reason."""
+# FSDP2's hooks are wrappers calling torch._dynamo.disable(hook, recursive=True, reason="skipping
+# FSDP hooks")(...) (fsdp/_fully_shard/_fsdp_common.py, _dynamo_disable; the same in torch 2.13 to
+# 2.15). Dynamo's text for that call changed, so each known wording is listed, every part of one
+# required: torch 2.13 skips ``disable`` itself as a function of a skipped file (gb0007); torch
+# 2.14 and 2.15 break at the call (gb0376) and show its arguments, FSDP2's reason among them.
+FSDP2_HOOK_BREAKS = (
+    ("Attempted to call function marked as skipped", "the function `disable` in file",
+     "qualname: disable"),  # torch 2.13
+    ("Call to `torch._dynamo.disable()`", "'skipping FSDP hooks'"),  # torch 2.14, 2.15
+)
+
+
+def hook_signatures(impl: str) -> list[tuple[str, ...]]:
+    """How dynamo names the hook it stops at, in its graph-break reason: one tuple of texts
+    per wording, all of which the reason holds."""
     if impl == "shardkit":  # the torch.compiler.disable'd hooks themselves
-        return [repr(f) for f in (shardkit.hooks.pre_forward, shardkit.hooks.post_forward)]
-    # FSDP2's hooks are wrappers calling torch._dynamo.disable(hook)(...) (fsdp/_fully_shard/_fsdp_common.py)
-    return ["the function `disable` in file"]
+        return [(repr(f),) for f in (shardkit.hooks.pre_forward, shardkit.hooks.post_forward)]
+    return list(FSDP2_HOOK_BREAKS)
 
 
 def graph_break_reasons() -> list[str]:
@@ -126,12 +138,16 @@ def graph_break_reasons() -> list[str]:
     return [reason for kind in ("graph_break", "unimplemented") for reason in counters[kind]]
 
 
+def is_hook_break(reason: str, impl: str) -> bool:
+    first = reason.split("*** While handling this graph break")[0]  # a loop skip names its cause first
+    return any(all(part in first for part in sig) for sig in hook_signatures(impl))
+
+
 def assert_breaks_only_at_hooks(impl: str) -> list[str]:
     reasons = graph_break_reasons()
     assert reasons, "dynamo met no hook: was anything compiled?"
     for reason in reasons:
-        first = reason.split("*** While handling this graph break")[0]  # a loop skip names its cause first
-        assert any(sig in first for sig in hook_signatures(impl)), f"a graph break not at a hook:\n{reason}"
+        assert is_hook_break(reason, impl), f"a graph break not at a hook:\n{reason}"
     return reasons
 
 
@@ -219,6 +235,30 @@ def compile_model_compiles_torch_nn_builtin_blocks(mesh, impl):
         return
     assert_each_block_compiled(backend)
     assert_breaks_only_at_hooks(impl)
+
+
+def test_hook_signatures_match_fsdp2_hooks_and_nothing_else():
+    """In this process, no ranks: a call like FSDP2's hook wrapper is a hook break in this
+    torch, and other graph breaks (one asked for, an unsupported call) are not."""
+
+    def fsdp2_like(x):
+        return torch._dynamo.disable(torch.tanh, recursive=True, reason="skipping FSDP hooks")(x)
+
+    def reasons_of(fn) -> list[str]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(lambda x: fn(x * 2) + 1, backend="eager")(torch.ones(2))
+        return graph_break_reasons()
+
+    try:
+        hook = reasons_of(fsdp2_like)
+        assert hook and any(is_hook_break(r, "torch") for r in hook), hook
+        for other in (lambda x: (torch._dynamo.graph_break(), x)[1], lambda x: x + x.sum().item()):
+            found = reasons_of(other)
+            assert found and not any(is_hook_break(r, "torch") or is_hook_break(r, "shardkit") for r in found), found
+    finally:
+        torch._dynamo.reset()
+        counters.clear()
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
