@@ -16,8 +16,8 @@ The counting backend is aot_eager with counting compilers: the graphs dynamo cap
 forward and backward graphs AOTAutograd compiles, and how often each compiled graph runs.
 Losses and gradients are checked every step against the non-sharded reference (``Parity``),
 and the losses against the same sharded model run eagerly. Every check also runs with
-torch's FSDP2 (``-torch`` items): the same counts in torch 2.13, except that FSDP2 compiles
-nothing of torch.nn built-in blocks.
+torch's FSDP2 (``-torch`` items): the same counts in torch 2.13, 2.14 and 2.15, except that FSDP2
+compiles nothing of torch.nn built-in blocks.
 """
 
 import pytest
@@ -228,9 +228,9 @@ def compile_model_compiles_torch_nn_builtin_blocks(mesh, impl):
     """Dynamo skips torch/nn's files as frames of their own, except the forward of a torch.nn
     module with hooks whose type(module).__module__ starts with "torch.nn." (trace_rules.py,
     check_verbose). shardkit's FSDP subclass keeps its base's __module__; FSDP2's lives in
-    torch.distributed.fsdp, so with FSDP2 nothing of these blocks is compiled (torch 2.13)."""
+    torch.distributed.fsdp, so with FSDP2 nothing of these blocks is compiled (torch 2.13 to 2.15)."""
     backend = train_compiled_and_eager(mesh, impl, BuiltinBlocks, "model")
-    if impl == "torch":  # pins FSDP2 in torch 2.13: its hooks run, nothing of the blocks compiles
+    if impl == "torch":  # pins FSDP2 (torch 2.13 to 2.15): its hooks run, nothing of the blocks compiles
         assert backend.graphs == [] and backend.runs == {"forward": 0, "backward": 0}, (backend.graphs, backend.runs)
         return
     assert_each_block_compiled(backend)
