@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardkit import versions
 from shardkit.dtensor import extension
 from shardkit.dtensor.placements import local_rows, padded_rows, row_numel, sharded_spec, to_dtensor, with_size
 from shardkit.dtensor.storage import free_storage
@@ -85,7 +86,13 @@ class ShardedParam:
         # Mixed precision applies to floating-point parameters only (as in FSDP2).
         floating = self.dtype.is_floating_point
         self.param_dtype = options.param_dtype if options.param_dtype is not None and floating else self.dtype
-        self.reduce_dtype = options.reduce_dtype if options.reduce_dtype is not None and floating else self.param_dtype
+        if options.reduce_dtype is not None and floating:
+            self.reduce_dtype = options.reduce_dtype
+        elif versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE and floating:  # torch 2.15's FSDP2: the accumulation dtype
+            override = getattr(param, "_has_grad_dtype_override", False)
+            self.reduce_dtype = (param.grad_dtype or self.param_dtype) if override else self.dtype
+        else:
+            self.reduce_dtype = self.param_dtype
         self.offload = options.offload
         self.pin_memory = options.pin_memory and options.offload and device.type != "cpu"  # pinning needs an accelerator
         self.post_forward_rows = self.post_forward_numel = self.post_forward_index = 0  # set by set_post_forward

@@ -64,7 +64,11 @@ reduce_scatter <root> float32 numel=440 world=8 mesh=dim0""")
     assert t.summary()["all_gather"].nbytes * 2 == fp32
 
 
-def test_reduce_dtype_defaults_to_param_dtype_and_outputs_take_output_dtype():
+def test_reduce_dtype_defaults_as_the_installed_fsdp2_and_outputs_take_output_dtype():
+    """Without a reduce_dtype: param_dtype before torch 2.15, the parameter's own dtype from
+    2.15 (checked against FSDP2 itself in the last test below)."""
+    from shardkit import versions
+
     with fake_world(4, 0) as mesh:
         torch.manual_seed(0)
         net = Net()
@@ -75,7 +79,8 @@ def test_reduce_dtype_defaults_to_param_dtype_and_outputs_take_output_dtype():
         assert out.dtype == torch.float32
         with shardkit.trace() as t:
             out.sum().backward()
-        assert {str(e.dtype) for e in t.collectives("reduce_scatter")} == {"torch.bfloat16"}
+        expected = "torch.float32" if versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else "torch.bfloat16"
+        assert {str(e.dtype) for e in t.collectives("reduce_scatter")} == {expected}
         assert all(p.grad.dtype == torch.float32 for p in net.parameters())
 
 
@@ -204,3 +209,36 @@ def test_unshard_in_backward_false_skips_the_backward_all_gather():
         assert [e.group for e in t.collectives("all_gather")] == ["", "emb"]  # forward only
         assert [e.group for e in t.collectives("reduce_scatter")] == ["emb", ""]
         assert m.emb.weight.grad is not None
+
+
+def test_reduce_dtype_none_reduces_in_the_dtype_the_installed_fsdp2_does():
+    """MixedPrecisionPolicy(param_dtype=bf16) without a reduce_dtype: torch 2.13 and 2.14's FSDP2
+    reduce in bf16, 2.15's in each parameter's accumulation dtype (its own, fp32 here);
+    shardkit follows the installed release (shardkit/versions.py)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ReduceDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("c10d::_reduce_scatter_base_", "c10d::alltoall_base_"):
+                self.seen.append(args[1].dtype)
+            return func(*args, **kwargs or {})
+
+    seen = {}
+    for name, fsdp, mp in (("torch", torch_fully_shard, TorchMP), ("shardkit", fully_shard, shardkit.MixedPrecisionPolicy)):
+        with fake_world(2) as mesh:
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+            fsdp(net, mesh=mesh, mp_policy=mp(param_dtype=torch.bfloat16))
+            with ReduceDtypes() as r:
+                net(torch.randn(4, 8)).sum().backward()
+            seen[name] = set(r.seen)
+            assert all(p.grad.dtype == torch.float32 for p in net.parameters())
+    assert seen["shardkit"] == seen["torch"], seen
+    from shardkit import versions
+    assert seen["shardkit"] == ({torch.float32} if versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else {torch.bfloat16})
