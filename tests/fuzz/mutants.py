@@ -53,8 +53,8 @@ MUTANTS = {
                               "summed gradients are not divided (gloo, divide factors)"),
     "unused-grads-zero": ("shardkit/comm/collectives.py", "counts[i] > 0:", "counts[i] >= 0:",
                           "a parameter no rank used gets a zero .grad instead of None"),
-    "pipeline-reduce-dropped": ("shardkit/fsdp2_view.py", "            self._state.schedule.post_backward(self._state)", "            pass",
-                                "pipelining's post_backward() reduces nothing: gradients accumulated over microbatches stay unreduced"),
+    "pipeline-final-callback-dropped": ("shardkit/fsdp2_view.py", "            self._state.schedule.end_backward()", "            pass",
+                                        "pipelining's final callback does nothing: the last reductions never finish"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
 }
