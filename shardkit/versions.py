@@ -31,6 +31,7 @@ REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE = TORCH_VERSION >= (2, 15)
 # torch 2.15: a local tensor whose fsdp_should_release_all_gather_outputs_after_post_all_gather()
 # returns True has its all-gather outputs freed right after fsdp_post_all_gather
 # (_fsdp_param.py: FSDPParam._init_extensions, init_unsharded_param).
+# shardkit honours the hook on every torch (it saves memory only; dtensor/extension.py).
 RELEASE_ALL_GATHER_OUTPUTS_HOOK = TORCH_VERSION >= (2, 15)
 
 # torch 2.15: Tensor._has_grad_dtype_override tells an explicit grad_dtype from the default one
@@ -40,5 +41,6 @@ HAS_GRAD_DTYPE_OVERRIDE = hasattr(torch.Tensor, "_has_grad_dtype_override")
 # torch 2.15: FSDPModule.set_manual_backward_finalization / finalize_backward(async_op=) ->
 # GradientReductionHandle, which torch.distributed.pipelining's stage uses instead of
 # fully_shard.state(m)._state_ctx.all_states[*]._fsdp_param_groups[*].post_backward() and
-# _root_post_backward_final_callback() (2.13, 2.14).
+# _root_post_backward_final_callback() (2.13, 2.14). shardkit has both on every torch
+# (module.py) and answers the older calls too (fsdp2_view.py).
 MANUAL_BACKWARD_FINALIZATION = TORCH_VERSION >= (2, 15)

@@ -13,7 +13,11 @@ weights send 1-byte data; its NF4 weights send their quantized blocks and scaler
         unsharded parameter, to update it; it then returns None.
 
 Between gathers the outputs' and inner tensors' storage is freed, like a plain parameter's
-unsharded buffer.
+unsharded buffer. A subclass whose unsharded form does not alias the outputs may say so
+(torch 2.15's optional hook, honoured on every torch):
+
+    fsdp_should_release_all_gather_outputs_after_post_all_gather() -> bool
+        True: the outputs are freed right after ``fsdp_post_all_gather``, not at reshard.
 """
 
 from __future__ import annotations
@@ -39,7 +43,17 @@ def of(local: torch.Tensor, where: str) -> "Extension | None":
             f"{where} is a {type(local).__name__} that defines only one of fsdp_pre_all_gather / "
             "fsdp_post_all_gather; define both to control its all-gather, or neither."
         )
-    return Extension(where) if pre else None
+    release = getattr(local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
+    if release is not None:
+        if not pre:
+            raise TypeError(
+                f"{where} is a {type(local).__name__} with fsdp_should_release_all_gather_outputs_after_post_all_gather "
+                "but without fsdp_pre_all_gather / fsdp_post_all_gather; it needs both."
+            )
+        release = release()
+        if not isinstance(release, bool):
+            raise TypeError(f"fsdp_should_release_all_gather_outputs_after_post_all_gather of {where} must return a bool, got {type(release).__name__}")
+    return Extension(where, bool(release)) if pre else None
 
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -52,8 +66,9 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 class Extension:
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, release: bool = False) -> None:
         self.where = where
+        self.release = release  # free the outputs right after fsdp_post_all_gather
         self.metadata: Any = None  # from the last fsdp_pre_all_gather
         self.sizes: list[torch.Size] = []  # the inputs' shapes: each output is world of them
         self.outputs: list[torch.Tensor] = []  # flat (world * numel,), made at the first gather, reused
@@ -104,13 +119,20 @@ class Extension:
             for t in self.inner:
                 alloc_storage(t)
             post(outputs, self.metadata, param_dtype, out=param)
+            self._release()
             return param
         tensor, self.inner = post(outputs, self.metadata, param_dtype)
+        self._release()
         full = torch.as_strided(tensor, shape, contiguous_stride(shape), 0)
         if tp_spec is not None:
             meta = TensorMeta(tp_spec.shape, tp_spec.stride, full.dtype)
             full = DTensor(full, DTensorSpec(tp_spec.mesh, tp_spec.placements, meta), requires_grad=False)
         return nn.Parameter(full, requires_grad=requires_grad)
+
+    def _release(self) -> None:
+        if self.release:
+            for t in self.outputs:
+                free_storage(t)
 
     def free(self) -> None:
         for t in [*self.outputs, *self.inner]:

@@ -79,6 +79,29 @@ class OldSignature(Tagged):
         return OldSignature(inner["_data"])
 
 
+class Released(Tagged):
+    """Builds its unsharded tensor as a copy of the gathered data and says so with torch 2.15's
+    optional hook: the all-gather outputs may be freed right after ``fsdp_post_all_gather``."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return True
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        data, tags = outputs
+        assert tags.tolist() == [metadata[1]] * tags.numel(), f"tags arrived as {tags.tolist()}"
+        if out is not None:
+            CALLS["post_out"] += 1
+            out.data.copy_(data)  # out is the parameter built the first time: refill it
+            return None
+        CALLS["post"] += 1
+        copy = data.clone()
+        return copy, (copy,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Released(inner["_data"])
+
+
 class UserComm:
     """FSDP2's AllGather / ReduceScatter shape (``set_custom_all_gather`` /
     ``set_custom_reduce_scatter``) over torch.distributed, counting its calls and allocations."""

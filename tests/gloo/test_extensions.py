@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 import shardkit
-from extension_tensors import CALLS, OldSignature, Tagged, UserComm
+from extension_tensors import CALLS, OldSignature, Released, Tagged, UserComm
 from gloo_harness import Checks, run_worker
 from gloo_parity import FULLY_SHARD, Parity, assert_close, mean_over_ranks, stack_batches
 
@@ -74,6 +74,23 @@ def the_older_one_argument_pre_all_gather_still_works(mesh, impl):
     p.train(stack_batches(STEPS))
     p.assert_params_match()
     assert CALLS["pre_old"] == 12 and CALLS["post"] == 2, dict(CALLS)
+
+
+@checks()
+def outputs_released_after_post_all_gather_when_the_subclass_says_so(mesh, impl):
+    """torch 2.15's fsdp_should_release_all_gather_outputs_after_post_all_gather: shardkit frees
+    the gathered inputs right after building (on every torch; FSDP2 before 2.15 keeps them),
+    and training is unchanged."""
+    CALLS.clear()
+    p = tagged_parity(mesh, impl, Released)
+    if impl == "shardkit":
+        sizes = []
+        p.model.blocks[0].register_forward_pre_hook(
+            lambda m, args: sizes.append([t.untyped_storage().size() for t in p.model.blocks[0]._shardkit().group.params[0].extension.outputs]))
+    p.train(stack_batches(STEPS))
+    p.assert_params_match()
+    if impl == "shardkit":
+        assert sizes == [[0, 0]] * STEPS, sizes  # gathered, built, released: before the block computes
 
 
 def _hsdp_mesh(mesh: DeviceMesh, shape: tuple[int, int]) -> DeviceMesh:
