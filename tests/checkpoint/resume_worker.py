@@ -47,6 +47,12 @@ def _flat(state: dict) -> dict:
 
 
 def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> None:
+    # Before any other thread: main() set the thread count before forking, so torch's thread
+    # pool is rebuilt in this child at its next use. Torch 2.14/2.15 (CUDA builds, on the CPU)
+    # start autograd device threads at the first backward after FSDP's lazy init, each of which
+    # sets the thread count at its start; left to them, they race to rebuild the pool and one
+    # may find none ("pool INTERNAL ASSERT FAILED ... Invalid thread pool!", an abort).
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(1 if mode == "resume" else 0)  # resume: different weights until loaded
