@@ -46,6 +46,22 @@ from shardkit.dtensor.storage import free_storage
 from shardkit.options import ParamOptions
 
 
+def _dtypes(param: nn.Parameter, dtype: torch.dtype, options: ParamOptions) -> tuple[torch.dtype, torch.dtype]:
+    """The all-gather/compute dtype and the reduction dtype of a parameter of ``dtype``. Mixed
+    precision applies to floating-point parameters only (as in FSDP2). Without a
+    ``reduce_dtype``: ``param_dtype`` before torch 2.15, the accumulation dtype from 2.15 (the
+    parameter's own, or its explicit ``grad_dtype``), as that release's FSDP2."""
+    if not dtype.is_floating_point:
+        return dtype, dtype
+    param_dtype = options.param_dtype or dtype
+    if options.reduce_dtype is not None:
+        return param_dtype, options.reduce_dtype
+    if versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE:
+        override = getattr(param, "_has_grad_dtype_override", False)
+        return param_dtype, (param.grad_dtype or param_dtype) if override else dtype
+    return param_dtype, param_dtype
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where a parameter is registered: ``module._parameters[name]``."""
@@ -83,16 +99,7 @@ class ShardedParam:
         where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
         self.extension = extension.of(local, where)
         self.device = device  # where the unsharded parameter lives and the collectives run
-        # Mixed precision applies to floating-point parameters only (as in FSDP2).
-        floating = self.dtype.is_floating_point
-        self.param_dtype = options.param_dtype if options.param_dtype is not None and floating else self.dtype
-        if options.reduce_dtype is not None and floating:
-            self.reduce_dtype = options.reduce_dtype
-        elif versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE and floating:  # torch 2.15's FSDP2: the accumulation dtype
-            override = getattr(param, "_has_grad_dtype_override", False)
-            self.reduce_dtype = (param.grad_dtype or self.param_dtype) if override else self.dtype
-        else:
-            self.reduce_dtype = self.param_dtype
+        self.param_dtype, self.reduce_dtype = _dtypes(param, self.dtype, options)
         self.offload = options.offload
         self.pin_memory = options.pin_memory and options.offload and device.type != "cpu"  # pinning needs an accelerator
         self.post_forward_rows = self.post_forward_numel = self.post_forward_index = 0  # set by set_post_forward
