@@ -13,7 +13,9 @@ own state, and is the one place that knows their names:
   ``set_reshard_after_backward(False)``, ``set_is_last_backward(False)``; its schedules'
   ``UNSHARD`` / ``RESHARD`` actions call ``unshard(async_op=True)`` and ``reshard()``.)
 - torch's ``register_fsdp_forward_method`` and ``share_comm_ctx``: ``module._get_fsdp_state()``,
-  then ``_pre_forward`` / ``_post_forward``, or ``_comm_ctx`` and ``_fsdp_param_groups``.
+  then ``_pre_forward`` / ``_post_forward``, or ``_comm_ctx`` and ``_fsdp_param_groups``;
+  torch 2.15's schedules compare ``_comm_ctx`` identities (``defer_reduce_grad_wait``). Its
+  stages call public methods only (``set_manual_backward_finalization``, ``finalize_backward``).
 
 ``fully_shard.state(module)`` reads the module's entry under torch's composable-API state key
 for torch's ``fully_shard`` function; ``register`` puts the view there (and nothing in torch's
@@ -37,7 +39,16 @@ class StateView:
 
     def __init__(self, state: GroupState) -> None:
         self._state = state
-        self._comm_ctx: Any = None  # torch's share_comm_ctx sets it; shardkit's streams are per device already
+
+    @property
+    def _comm_ctx(self) -> Any:
+        """Which roots share a communication context (torch 2.15's pipelining tells stages apart
+        by its identity); shardkit's streams are one set per device whatever it is."""
+        return self._state.root.comm_ctx
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, ctx: Any) -> None:  # torch's share_comm_ctx
+        self._state.root.comm_ctx = ctx
 
     @property
     def _fsdp_param_groups(self) -> list["GroupView"]:

@@ -306,11 +306,13 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """FSDP2's: let several roots (the stage modules of pipeline parallel, one rank holding
     several) share one communication context, so that they do not each hold their own
     streams and buffers. shardkit's collectives already share one set of streams per device
-    (``comm/streams.py``), whichever root issues them, so this checks the modules and has
-    nothing more to do."""
+    (``comm/streams.py``), whichever root issues them; this checks the modules and makes
+    them report one context to torch code that compares contexts (2.15's pipelining)."""
     for module in modules:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"share_comm_ctx expects a list of modules fully_shard was applied to, got {type(module).__name__}: {module}")
+    for module in modules[1:]:  # one context object: what torch's pipelining compares
+        module._shardkit().root.comm_ctx = modules[0]._shardkit().root.comm_ctx
 
 
 _warned: set[str] = set()

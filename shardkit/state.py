@@ -146,6 +146,7 @@ class Root:
 
     options: RootOptions = field(default_factory=RootOptions)
     schedule: Any = None  # the root's Schedule (schedule.py), made at lazy init
+    comm_ctx: Any = field(default_factory=object)  # its identity: which roots share_comm_ctx joined
 
 
 @dataclass

@@ -178,3 +178,8 @@ def test_share_comm_ctx_checks_its_modules():
         a(torch.randn(2, 4)).sum().backward()
         b(torch.randn(2, 4)).sum().backward()
         assert a._shardkit().group.parts[0].layout.comm.streams is b._shardkit().group.parts[0].layout.comm.streams
+        # torch code tells roots apart by their context (2.15's pipelining): shared here, not elsewhere
+        c = torch.nn.Linear(4, 4)
+        shardkit.fully_shard(c, mesh=mesh)
+        ctx = lambda m: m._get_fsdp_state()._comm_ctx  # noqa: E731
+        assert ctx(a) is ctx(b) and ctx(c) is not ctx(a)
