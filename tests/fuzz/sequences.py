@@ -264,6 +264,7 @@ class Run:
         # are right when the step had no gradients; from then on all-gathers are not compared.
         self.gathers_comparable = True
         self.unwaited: set[str] = set()  # groups unsharded with async_op=True, not waited for yet
+        self.user_unsharded: set[str] = set()  # groups unshard() was called on, not resharded since
         self.kept_after_backward: set[str] = set()  # set_reshard_after_backward(False)
         self.lockstep = False
         self.log: list[str] = []
@@ -306,6 +307,14 @@ class Run:
             # the next unshard to use; shardkit waits for it and frees it (a later unshard
             # gathers fresh data, as the state dict may have changed it).
             self.gathers_comparable = False
+        if name in ("step", "train") and self.user_unsharded:
+            # FSDP2 keeps what an explicit unshard() gathered across an optimizer step and uses it
+            # in the next forward; shardkit gathers again (the step may have changed the shards).
+            self.gathers_comparable = False
+        if name == "unshard":
+            self.user_unsharded.add(args[0])
+        elif name == "reshard":
+            self.user_unsharded.discard(args[0])
         if name in ("step", "train") and self.kept_after_backward:
             # FSDP2 computes the next forward with the parameters it kept after backward, from
             # before this step (the fuzzer drops it: it disagrees with the reference); shardkit
