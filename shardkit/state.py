@@ -162,7 +162,8 @@ class Links:
 
 @dataclass
 class Step:
-    """Where a group is in the current step; the schedule writes it, through ``RULES``."""
+    """Where a group is in the current step; the schedule writes it: ``phase`` only through
+    ``RULES`` (``Schedule.fire``), the rest in the actions the rules name."""
 
     phase: Phase = Phase.IDLE
     calls: int = 0  # forward calls entered and not yet left

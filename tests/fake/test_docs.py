@@ -62,3 +62,18 @@ def test_the_trace_excerpt_in_observability_md_is_in_order():
     shown = [line for line in excerpt.splitlines() if line != "..."]
     assert shown and is_subsequence(shown, traced_step().format().splitlines())
     assert re.search(r"wait all_gather \S+", excerpt)
+
+
+def test_the_file_table_in_the_design_doc_names_every_module():
+    """Every runtime file is in design.md's table (a folder row covers its files), and every
+    row names files that exist."""
+    table = DESIGN[DESIGN.index("| file | what it holds |") :]
+    table = table[: table.index("\n\n")]
+    named = [p for row in table.splitlines()[2:] for p in re.findall(r"`([^`]+)`", row.split("|")[1])]
+    package = ROOT / "shardkit"
+    missing = [p for p in named if not (package / p).exists()]
+    assert not missing, f"design.md's file table names files that do not exist: {missing}"
+    folders = [p for p in named if p.endswith("/")]
+    files = sorted(str(f.relative_to(package)) for f in package.rglob("*.py") if f.name not in ("__init__.py", "__main__.py"))
+    unnamed = [f for f in files if f not in named and not any(f.startswith(d) for d in folders)]
+    assert not unnamed, f"design.md's file table does not name: {unnamed}"
