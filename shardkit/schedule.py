@@ -63,7 +63,7 @@ class Schedule:
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
         self.reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
-        self.offloads = any(p.pin_memory for s in states if s.group for p in s.group.params)  # see end_backward
+        self.pins_host_memory = any(p.pin_memory for s in states if s.group for p in s.group.params)  # see finish_backward
 
     # Events ------------------------------------------------------------------------------------
     def pre_forward(self, state: GroupState, call: Call) -> None:
@@ -126,7 +126,7 @@ class Schedule:
         for group in self.reducing:
             group.finish_reduce()
         self.reducing = []
-        if self.offloads:  # gradients copied to pinned host memory asynchronously
+        if self.pins_host_memory:  # gradients copied to pinned host memory asynchronously
             streams_for(self.device).wait_host_copies()
         for state in self.states:
             self.fire(state, Event.FINALIZE)

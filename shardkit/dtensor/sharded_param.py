@@ -160,11 +160,9 @@ class ShardedParam:
         return rows if self.local_rows == self.padded_rows else self._valid(rows)
 
     def copy_out(self, gathered: torch.Tensor) -> None:
-        """The gathered padded shards, rank-major ``(world, shard_numel)``, into the unsharded
-        buffer: for dim 0 the same bytes; otherwise rank r's rows go to the r-th block of dim."""
-        if self.dim == 0:
-            self.unsharded_flat[: gathered.numel()].view(self.world, -1).copy_(gathered)
-            return
+        """The gathered padded shards, rank-major ``(world, shard_numel)``, of a parameter split
+        along a dim other than 0 into the unsharded buffer: rank r's rows go to the r-th block of
+        that dim. (Along dim 0 the layouts are the same bytes: ``_copy_out`` copies them whole.)"""
         d = self.dim
         target = self.unsharded_padded.view(*self.shape[:d], self.world, self.padded_rows, *self.shape[d + 1 :])
         target.copy_(gathered.view(self.world, *self.padded_shape).movedim(0, d))
