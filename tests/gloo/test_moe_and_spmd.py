@@ -109,6 +109,28 @@ def spmd_dp_tp_mesh_with_dp_mesh_dims_matches_reference(mesh, impl):
     assert_params_match(model, reference)
 
 
+@functools.cache
+def hsdp_tp_mesh():
+    return init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+@checks()
+def spmd_hsdp_mesh_with_dp_mesh_dims_matches_reference(mesh, impl):
+    """HSDP through dp_mesh_dims: sharded over dp_shard, all-reduced over dp_replicate."""
+    full_mesh = hsdp_tp_mesh()
+    model = SpmdStack(full_mesh, n_dp=2)
+    dims_cls = shardkit.DataParallelMeshDims if impl == "shardkit" else torch.distributed.fsdp.DataParallelMeshDims
+    dims = dims_cls(shard="dp_shard", replicate="dp_replicate")
+    for block in model.blocks:
+        FULLY_SHARD[impl](block, mesh=full_mesh, dp_mesh_dims=dims)
+    FULLY_SHARD[impl](model, mesh=full_mesh, dp_mesh_dims=dims)
+    data = batches(seed=7)  # every rank its own rows
+    train_sharded(model, data)
+    reference = SpmdStack()
+    train_reference(reference, data)
+    assert_params_match(model, reference)
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_on_four_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
