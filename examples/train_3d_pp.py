@@ -50,6 +50,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardkit.models.llama import Llama, LlamaConfig, tp_plan
+from train_2d import batch  # the same easy task: each token is the previous + 1 (vocabulary 64, 32 tokens)
 
 VOCAB, SEQ = 64, 32
 IMPLS = ("shardkit", "fsdp2")
@@ -121,13 +122,6 @@ def build_stage(mesh, args, fully_shard) -> tuple[StageModule, int]:
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def batch(step: int, dp_rank: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    start = torch.randint(0, VOCAB, (size, 1), generator=g)
-    tokens = (start + torch.arange(SEQ + 1)) % VOCAB  # (B, SEQ + 1): each token is the previous + 1
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
 def train(impl: str, mesh, device: torch.device, args) -> None:

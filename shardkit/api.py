@@ -99,16 +99,17 @@ def fully_shard(
     slots, borrowed = _param_slots(managed, ignored)
     _move_buffers(managed, device)
     options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory, mp_policy)
-    by_mesh: dict[tuple, tuple[DeviceMesh, list[ShardedParam]]] = {_mesh_key(dp_mesh): (dp_mesh, [])}
+    by_mesh: dict[Any, tuple[DeviceMesh, list[ShardedParam]]] = {None: (dp_mesh, [])}  # None: fully_shard's mesh
     sharded_of: dict[nn.Parameter, ShardedParam] = {}
     for p, s in slots.items():
         dim, param_mesh = _placement(p, s, shard_placement_fn)
-        param_mesh = dp_mesh if param_mesh is None else param_mesh
+        key = None if param_mesh is None else _mesh_key(param_mesh, dp_mesh)
+        param_mesh = dp_mesh if key is None else param_mesh
         own = options
         if mp_policy.param_dtype_override_fn is not None:
             own = dataclasses.replace(options, param_dtype=mp_policy.param_dtype_for(p, f"'{s[0].name}' of {class_name(s[0].module)}"))
         sharded = ShardedParam(p, s, param_mesh, device, own, dim, spmd if param_mesh is dp_mesh else None)
-        by_mesh.setdefault(_mesh_key(param_mesh), (param_mesh, []))[1].append(sharded)
+        by_mesh.setdefault(key, (param_mesh, []))[1].append(sharded)
         sharded_of[p] = sharded
 
     def post_forward(m: DeviceMesh) -> DeviceMesh | None:  # reshard_after_forward=R, for each mesh
@@ -260,9 +261,14 @@ def _placement(p: nn.Parameter, slots: list[ParamSlot], placement_fn) -> tuple[i
     return dim, mesh
 
 
-def _mesh_key(mesh: DeviceMesh) -> tuple:
-    """Parameters whose meshes have the same ranks in the same layout share collectives."""
-    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+def _mesh_key(mesh: DeviceMesh, default: DeviceMesh) -> tuple | None:
+    """Parameters whose meshes have the same ranks in the same layout share collectives; None:
+    those of ``default``, fully_shard's own mesh. (Only parameters with a mesh of their own get
+    here: laying a mesh out as ranks costs a few hundred microseconds.)"""
+    def layout(m: DeviceMesh) -> tuple:
+        return (m.device_type, tuple(m.mesh.shape), tuple(m.mesh.flatten().tolist()))
+
+    return None if mesh is default or layout(mesh) == layout(default) else layout(mesh)
 
 
 def _fsdp_class(cls: type) -> type:

@@ -25,6 +25,7 @@ registry of applied APIs, so torch's own ``fully_shard`` and DCP still see no FS
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
 import torch.nn as nn
@@ -60,9 +61,10 @@ class StateView:
         return groups[0] if groups else None
 
     @property
-    def _state_ctx(self) -> "StateContext":
+    def _state_ctx(self) -> SimpleNamespace:
+        """``.all_states``: the views of every group under this one's root."""
         schedule = self._state.schedule
-        return StateContext([view(s) for s in (schedule.states if schedule is not None else [self._state])])
+        return SimpleNamespace(all_states=[view(s) for s in (schedule.states if schedule is not None else [self._state])])
 
     def _root_post_backward_final_callback(self) -> None:
         """The end of backward, called by pipelining after its ``post_backward()`` calls: finish
@@ -77,18 +79,12 @@ class StateView:
         return hooks.post_forward(self._state, module, args, output)
 
 
-class StateContext:
-    def __init__(self, all_states: list[StateView]) -> None:
-        self.all_states = all_states
-
-
 class GroupView:
     """One entry of ``_fsdp_param_groups``: a shardkit group (all its meshes; FSDP2 has one
     param group per mesh, and pipelining calls each of them the same way)."""
 
     def __init__(self, state: GroupState) -> None:
-        self._state = state
-        self.comm_ctx: Any = None
+        self._state = state  # (torch's share_comm_ctx also sets a comm_ctx here: unused)
 
     def post_backward(self) -> None:
         """Reduce the gradients kept unreduced over the microbatches (and reshard), as the
@@ -98,7 +94,9 @@ class GroupView:
 
 
 def view(state: GroupState) -> StateView:
-    return state.__dict__.setdefault("_fsdp2_view", StateView(state))
+    if "_fsdp2_view" not in state.__dict__:
+        state.__dict__["_fsdp2_view"] = StateView(state)
+    return state.__dict__["_fsdp2_view"]
 
 
 def register(module: nn.Module, state: GroupState) -> None:

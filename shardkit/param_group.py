@@ -134,11 +134,6 @@ class ParamGroup:
         optim.groups.add(self)  # an optimizer step makes gathered data stale
 
     @property
-    def mesh(self) -> DeviceMesh:
-        """The mesh fully_shard was given (the first part's)."""
-        return self.parts[0].mesh
-
-    @property
     def has_post_forward_mesh(self) -> bool:
         """``reshard_after_forward=R``: some part keeps 1/R of its parameters after forward."""
         return any(part.post_forward_mesh is not None for part in self.parts)
