@@ -61,17 +61,19 @@ test-fast: $(STAMP)
 # tensor access is checked for races (shardkit/comm/sim.py); each gloo module must leave
 # accesses checked and no race ("sim streams: N accesses checked, ..."). Two lanes at once, as
 # gloo ranks wait on each other much of the time and one lane alone leaves a core idle: the
-# tests but tests/examples here, test-sim then tests/examples beside them (their output after).
+# tests but the torchrun ones here, test-sim then the torchrun ones (tests/examples, the pipelining
+# check) beside them (their output after).
+TORCHRUN_TESTS = tests/examples tests/gloo/test_pipeline.py
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py
 
 test: $(STAMP)
 	@log=$$(mktemp); \
-	( $(MAKE) --no-print-directory test-sim; sim=$$?; echo "$(PYTEST) tests/examples"; $(PYTEST) tests/examples; \
+	( $(MAKE) --no-print-directory test-sim; sim=$$?; echo "$(PYTEST) $(TORCHRUN_TESTS)"; $(PYTEST) $(TORCHRUN_TESTS); \
 	  examples=$$?; exit $$(( sim || examples )) ) > $$log 2>&1 & side=$$!; \
-	echo "$(PYTEST) tests --ignore=tests/examples  (beside it: make test-sim, then tests/examples)"; \
-	$(PYTEST) tests --ignore=tests/examples; main=$$?; \
+	echo "$(PYTEST) tests $(TORCHRUN_TESTS:%=--ignore=%)  (beside it: make test-sim, then $(TORCHRUN_TESTS))"; \
+	$(PYTEST) tests $(TORCHRUN_TESTS:%=--ignore=%); main=$$?; \
 	wait $$side; side_rc=$$?; cat $$log; rm -f $$log; \
 	test $$main = 0 && test $$side_rc = 0
 
