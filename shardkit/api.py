@@ -129,9 +129,10 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     for original, p in sharded.items():  # later calls may meet the original again (tied weights)
         original._shardkit_shared = (p, state)
         original._shardkit_replaced = True  # see optim.py: an optimizer holding it warns
-        p.to_sharded()
-    for (p, owner), more_slots in borrowed.items():
-        _borrow(state, owner, p, more_slots)
+        p.put_on_modules(p.sharded_param)
+    for (p, owner), more_slots in borrowed.items():  # weights tied across groups stay in the owner's
+        p.add_slots(more_slots, unsharded=owner.group is not None and owner.group.is_unsharded)
+        state.tied.borrow_from(state, owner)
     own = [(slot, p) for p in sharded.values() for slot in p.slots]
     accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
     for inner in nested:
@@ -221,19 +222,6 @@ def _param_slots(managed: list[nn.Module], ignored: set[nn.Parameter]) -> tuple[
                 )
             slots.setdefault(p, []).append(ParamSlot(m, name))
     return slots, borrowed
-
-
-def _borrow(state: GroupState, owner: GroupState, p: ShardedParam, more_slots: list[ParamSlot]) -> None:
-    """A weight tied across groups stays in its owner's group; ``state`` registers the same
-    parameter in its own slots and unshards the owner's group around its own forward and
-    backward. The owner reduces after both have passed backward (see schedule.py, "Tied")."""
-    p.slots.extend(more_slots)
-    current = p.unsharded_param if owner.group is not None and owner.group.is_unsharded else p.sharded_param
-    for slot in more_slots:
-        slot.module._parameters[slot.name] = current
-    if owner not in state.links.borrowed:
-        state.links.borrowed.append(owner)
-        owner.links.borrowers.append(state)
 
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:

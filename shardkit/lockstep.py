@@ -6,8 +6,9 @@ modules depending on the data (rank 0's batch takes branch ``a``, rank 1's branc
 a vision encoder runs only where there are images), rank 0 would all-gather ``a`` while rank
 1 all-gathers ``b``: a hang, or worse, each rank receiving the other group's bytes.
 
-``LockstepSchedule`` (``root.set_lockstep(True)``) is the schedule with its three collective
-steps (gather a group, reduce a group, the end of a pass) done as *agree, then act*: every
+``Lockstep`` (``root.set_lockstep(True)``) is the schedule's collectives strategy that does
+its three collective steps (gather a group, reduce a group, the end of a pass) as *agree,
+then act*: every
 rank all-gathers one integer, the token of what it is about to do (gather or reduce group
 ``i``, or nothing), then every rank acts on the union of the requests, in token order: its
 own action for its own token, and a stand-in for the others' (all-gather a group it does not
@@ -27,37 +28,38 @@ import torch
 import torch.distributed as dist
 
 from shardkit.comm.collectives import _all_gather_single
-from shardkit.schedule import Schedule
+from shardkit.schedule import Direct, Schedule
 from shardkit.state import Event, GroupState, Phase
 
 DONE, NOTHING = -1, -2
 GATHER, REDUCE = 0, 1  # token = 2 * group index + kind
 
 
-class LockstepSchedule(Schedule):
+class Lockstep(Direct):
     uses_post_forward_shards = False  # every all-gather spans the whole shard dim
-    _acting = False  # inside an agreed round: act at once
 
-    def prepare(self) -> "LockstepSchedule":
+    def __init__(self, schedule: Schedule) -> None:
+        super().__init__(schedule)
+        self.states, self.device = schedule.states, schedule.device
         self.tokens = _token_group(self.states)  # (process group, world): raises if unsupported
-        return self
+        self._acting = False  # inside an agreed round: act at once
 
-    def _gather(self, state: GroupState) -> None:
+    def gather(self, state: GroupState) -> None:
         if state.group is None:
             return
         if not self._acting:
             self._agree(2 * self.states.index(state) + GATHER if state.group.needs_all_gather() else NOTHING)
-        super()._gather(state)  # registers data this rank already held, if nobody gathered
+        self.schedule.gather_now(state)  # registers data this rank already held, if nobody gathered
 
-    def _prefetch(self, target: GroupState, backward: bool = False) -> None:
+    def prefetch(self, target: GroupState, backward: bool) -> None:
         pass  # every all-gather is agreed on at the moment it is needed
 
-    def _reduce(self, state: GroupState, reshard: bool = True) -> None:
+    def reduce(self, state: GroupState, reshard: bool) -> None:
         if self._acting:
-            return super()._reduce(state, reshard)
+            return self.schedule.reduce_now(state, reshard)
         self._agree(2 * self.states.index(state) + REDUCE, own=(state, reshard))
 
-    def _pass_ends(self) -> None:
+    def pass_ends(self) -> None:
         while not self._agree(DONE):  # serve the ranks still in their pass
             pass
 
@@ -72,7 +74,7 @@ class LockstepSchedule(Schedule):
                 if kind == GATHER:
                     self._stand_in_gather(state, keep=t == token or state.group.is_unsharded)
                 elif t == token:
-                    super()._reduce(*own)
+                    self.schedule.reduce_now(*own)
                 else:
                     self._stand_in_reduce(state)
         finally:
@@ -93,9 +95,9 @@ class LockstepSchedule(Schedule):
         """Another rank reduces this group now: take part with what this rank has so far (zeros
         if it never ran). A group in the middle of its backward here keeps its parameters."""
         if state.step.phase is Phase.IDLE:
-            self.fire(state, Event.POST_BACKWARD)  # its reduce acts at once: we are acting
+            self.schedule.fire(state, Event.POST_BACKWARD)  # its reduce acts at once: we are acting
         else:
-            super()._reduce(state, reshard=state.step.phase is not Phase.PRE_BACKWARD)
+            self.schedule.reduce_now(state, reshard=state.step.phase is not Phase.PRE_BACKWARD)
 
     def _exchange(self, token: int) -> list[int]:
         group, world = self.tokens

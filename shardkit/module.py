@@ -12,7 +12,6 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardkit import fsdp2_view, hooks, root
-from shardkit.dtensor import replaced
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.state import GroupState, is_root, state_of
 
@@ -254,7 +253,7 @@ class FSDPModule(_TorchFSDPModule):
         group = self._shardkit().group
         if group is not None:
             for p in group.params:
-                replaced.reset_from_registered(p)
+                p.reset_from_registered()
             group.reset_layout()
         return result
 
@@ -364,7 +363,7 @@ def accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:
                 value = state_dict.get(prefix + name)
                 full_shape = p.tp_spec.shape if p.tp_spec is not None else p.shape
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == full_shape:
-                    state_dict[prefix + name] = replaced.from_full(p, value)
+                    state_dict[prefix + name] = p.shard_of_full(value)
         return hook
 
     for module, entries in by_module.items():

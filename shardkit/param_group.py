@@ -38,9 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit import optim
 from shardkit.comm import collectives, trace
 from shardkit.comm.buckets import Bucket, GatherBucket, reduce_buckets
-from shardkit.comm.collectives import Comm, PendingAllGather, PendingReduction
+from shardkit.comm.collectives import Comm, PendingAllGather, Reduction, ReduceSettings
 from shardkit.comm.streams import streams_for
-from shardkit.dtensor import replaced
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.options import GroupOptions
 
@@ -129,7 +128,7 @@ class ParamGroup:
         self.initialized = False  # lazy init made the buffers and the collectives' layouts
         self.gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
         self.gathering: list[PendingAllGather] = []  # issued, not yet waited for
-        self.reducing: list[PendingReduction] = []  # issued, not yet finished
+        self.reducing: list[Reduction] = []  # issued, not yet finished
         optim.install_once()
         optim.groups.add(self)  # an optimizer step makes gathered data stale
 
@@ -151,7 +150,7 @@ class ParamGroup:
 
     def lazy_init(self) -> None:
         for p in self.params:
-            replaced.adopt(p)
+            p.adopt_registered()
             p.refresh_extension()  # hooks attached to the local shard after fully_shard, as FSDP2 allows
         meta = [p.fqn for p in self.params if p.shard_device.type == "meta"]
         if meta:
@@ -230,24 +229,22 @@ class ParamGroup:
         self.wait_for_unshard()
         if self.storage is Storage.UNSHARDED:
             for p in self.params:
-                replaced.check_held(p)
                 p.to_sharded()
             trace.record("reshard", self.name, detail)
             self.storage = Storage.KEPT
         if free and self.storage is Storage.KEPT:
-            for p in self.params:
-                p.free_unsharded()
+            for part in self.parts:
+                collectives.free_all_gather(part.layout.all_gather)
             self.storage = Storage.SHARDED
 
     def _drop_post_forward(self) -> None:
         for part in self.parts:
             if part.holds_post_forward:
                 for p in part.params:
-                    p.post_forward_shard = None
+                    p.drop_post_forward_shard()
 
     def _register_unsharded(self) -> None:
         for p in self.params:
-            replaced.follow(p)
             p.to_unsharded()
         self.storage = Storage.UNSHARDED
         trace.record("unshard", self.name)
@@ -289,11 +286,11 @@ class ParamGroup:
         not been issued, wait for a reduction."""
         return any(p.accumulated_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None) for p in self.params)
 
-    def _reduction(self, part: MeshPart, bucket: Bucket) -> collectives.Reduction:
+    def _reduction(self, part: MeshPart, bucket: Bucket) -> ReduceSettings:
         layout = part.layout
         options = self.options
         # The default divisor: every rank of the part's mesh (both dims for HSDP).
-        how = collectives.Reduction(options.gradient_divide_factor or part.mesh.size(), custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
+        how = ReduceSettings(options.gradient_divide_factor or part.mesh.size(), custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
         if options.all_reduce_hook is not None:
             how.hook = (options.all_reduce_hook, options.all_reduce_hook_stream)
         if layout.replicate is not None:  # HSDP
@@ -306,12 +303,12 @@ class ParamGroup:
     def reduce_done(self) -> bool:
         """Move the issued reductions on without blocking, in issue order (so every rank starts
         its HSDP all-reduces in the same order); whether all have completed."""
-        return all(collectives.reduce_done(p) for p in self.reducing)  # stops at the first not done
+        return all(r.done() for r in self.reducing)  # stops at the first not done
 
     def finish_reduce(self, keep: bool = True) -> None:
         """Wait for the issued reductions; give the results to ``.grad`` unless ``keep=False``."""
         for pending in self.reducing:
-            collectives.finish_reduce_scatter(pending, keep)
+            pending.finish(keep)
         self.reducing = []
 
     def reset_layout(self) -> None:

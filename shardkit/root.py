@@ -3,18 +3,17 @@
 By then every ``fully_shard`` call has been made, so the root can collect its groups (in
 module order, the root first), name them by their FQN, give each the root's shared options,
 decide the default ``reshard_after_forward`` (False for the root only), materialize the
-unsharded parameters, and build the one ``Schedule`` they all report to (``lockstep.py``'s
-variant when ``set_lockstep(True)``).
+unsharded parameters, and build the one ``Schedule`` they all report to (with
+``lockstep.py``'s collectives strategy when ``set_lockstep(True)``).
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from shardkit.dtensor import replaced
-from shardkit.lockstep import LockstepSchedule
+from shardkit.lockstep import Lockstep
 from shardkit.param_group import still_on_meta
-from shardkit.schedule import Schedule
+from shardkit.schedule import Direct, Schedule
 from shardkit.state import GroupState, Root, class_name, state_of
 
 
@@ -43,7 +42,7 @@ def lazy_init(root: GroupState) -> Schedule:
         states.append(state)
         seen.add(state)
     for p in (p for s in states if s.group for p in s.group.params):
-        replaced.adopt(p)  # what the modules hold now is what gets its FQN
+        p.adopt_registered()  # what the modules hold now is what gets its FQN
     _name_params(root_module, states)
     meta = [fqn for fqn, p in root_module.named_parameters() if p.device.type == "meta"]
     if meta:
@@ -59,19 +58,11 @@ def lazy_init(root: GroupState) -> Schedule:
 
 
 def set_lockstep(root: Root, enabled: bool) -> None:
-    """Switch the root's schedule to the lockstep variant, or back (between steps)."""
+    """Give the root's schedule the lockstep collectives strategy, or the direct one (between steps)."""
     root.options.lockstep = enabled
     schedule = root.schedule
-    if schedule is None:
-        return  # applied at lazy init
-    cls = LockstepSchedule if enabled else Schedule
-    if type(schedule) is not cls:
-        if schedule.forward_root is not None or schedule.in_backward:
-            raise RuntimeError("shardkit: set_lockstep() must be called between steps, not during forward or backward")
-        root.schedule = cls.__new__(cls)
-        root.schedule.__dict__.update(schedule.__dict__)  # the same schedule, as the other variant
-        if enabled:
-            root.schedule.prepare()
+    if schedule is not None and isinstance(schedule.collectives, Lockstep) != enabled:  # else: at lazy init
+        schedule.use(Lockstep(schedule) if enabled else Direct(schedule))
 
 
 def _check_root(root: GroupState) -> None:

@@ -7,12 +7,11 @@ recomputation, are other calls of the group still open?), looks ``(phase, event)
 ``state.RULES``, enters the next phase and runs the rule's actions: the methods below of the
 same names. The schedule also owns what spans groups: the orders prefetching follows, the
 reductions in flight, the end of the forward pass (``close_pass``) and of backward
-(``end_backward``). ``lockstep.py`` is a variant: agree with the other ranks, then act.
-Tied: a weight shared by two groups (an embedding tied to a head sharded by another call)
-belongs to the group that sharded it first, the owner; the other group registers the same
-parameter and unshards the owner's group around its own forward and backward. Autograd sums
-both uses into the one ``.grad``; the owner reduces it once, after every group using it has
-passed its post-backward. docs/design.md walks through a step.
+(``end_backward``). The three steps that issue collectives (gather a group, reduce a group,
+the end of a pass) go through the schedule's ``collectives`` strategy: ``Direct`` here, or
+``lockstep.Lockstep`` (agree with the other ranks, then act), swapped between steps.
+Weights tied across groups are ``state.Tied``'s business: the actions ask it. docs/design.md
+walks through a step.
 """
 
 from __future__ import annotations
@@ -52,9 +51,29 @@ class Orders:
     post_forward: list[GroupState] = field(default_factory=list)  # backward prefetch walks it back
 
 
-class Schedule:
+class Direct:
+    """How the schedule issues its collectives: at once, with prefetching (every rank runs the
+    same groups in the same order). ``lockstep.Lockstep`` is the other strategy."""
+
     uses_post_forward_shards = True  # reshard_after_forward=R keeps 1/R for backward
 
+    def __init__(self, schedule: "Schedule") -> None:
+        self.schedule = schedule
+
+    def gather(self, state: GroupState) -> None:
+        self.schedule.gather_now(state)
+
+    def prefetch(self, target: GroupState, backward: bool) -> None:
+        self.schedule.prefetch_now(target, backward)
+
+    def reduce(self, state: GroupState, reshard: bool) -> None:
+        self.schedule.reduce_now(state, reshard)
+
+    def pass_ends(self) -> None:
+        """This rank's forward pass or backward is over."""
+
+
+class Schedule:
     def __init__(self, states: list[GroupState], device: torch.device, root: Root) -> None:
         self.states = states  # every group under the root, in module order: the root first
         self.device = device
@@ -64,6 +83,13 @@ class Schedule:
         self.in_backward = False  # the end-of-backward callback is queued
         self.reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
         self.pins_host_memory = any(p.pin_memory for s in states if s.group for p in s.group.params)  # see finish_backward
+        self.collectives: Direct = Direct(self)  # or lockstep.Lockstep: see use()
+
+    def use(self, collectives: Direct) -> None:
+        """Swap the collectives strategy (``set_lockstep``): between steps only."""
+        if self.forward_root is not None or self.in_backward:
+            raise RuntimeError("shardkit: set_lockstep() must be called between steps, not during forward or backward")
+        self.collectives = collectives
 
     # Events ------------------------------------------------------------------------------------
     def pre_forward(self, state: GroupState, call: Call) -> None:
@@ -119,10 +145,9 @@ class Schedule:
         """Finish every reduction, every group back to IDLE; ``last``: the step's backward is
         over (forget the order backward prefetching followed)."""
         for state in self.states:
-            if state.step.deferred_reduce:  # the groups using its tied weights never ran backward
-                state.step.deferred_reduce = False
-                self._reduce(state)
-        self._pass_ends()
+            if state.tied.take_deferred_reduce():  # the groups using its tied weights never ran backward
+                self.collectives.reduce(state, reshard=True)
+        self.collectives.pass_ends()
         for group in self.reducing:
             group.finish_reduce()
         self.reducing = []
@@ -165,8 +190,8 @@ class Schedule:
         state.step.to_run.discard(call.module)
 
     def unshard(self, state: GroupState, call: Call | None) -> None:
-        for group_state in (state, *state.links.borrowed):
-            self._gather(group_state)
+        for group_state in (state, *state.tied.owners):
+            self.collectives.gather(group_state)
 
     def prefetch_forward(self, state: GroupState, call: Call) -> None:
         orders = self.orders
@@ -177,7 +202,7 @@ class Schedule:
             i, order = len(orders.seen), orders.forward
             targets = order[i : i + 1] if len(order) >= i and order[i - 1] is state else ()
         for target in targets:
-            self._prefetch(target)
+            self.collectives.prefetch(target, backward=False)
 
     def hook_inputs(self, state: GroupState, call: Call) -> None:
         if state.group is not None and torch.is_grad_enabled():
@@ -185,8 +210,8 @@ class Schedule:
 
     def reshard_after_forward(self, state: GroupState, call: Call) -> None:
         group, reshard = state.group, state.options.reshard_after_forward
-        if group is not None and not any(b.step.phase is Phase.FORWARD for b in state.links.borrowers):
-            if reshard and group.has_post_forward_mesh and self.uses_post_forward_shards and torch.is_grad_enabled():
+        if group is not None and not state.tied.borrower_in(Phase.FORWARD):
+            if reshard and group.has_post_forward_mesh and self.collectives.uses_post_forward_shards and torch.is_grad_enabled():
                 group.reshard_to_post_forward()  # keep 1/R for the backward all-gather among R ranks
             elif reshard:
                 group.reshard()
@@ -194,9 +219,8 @@ class Schedule:
                 # No backward follows, so the step is over: the module shows its sharded
                 # parameters again, and keeps the gathered data for the next forward.
                 group.reshard(free=False)
-        for owner in state.links.borrowed:  # done with the tied weights, unless their group runs
-            if owner.step.phase is not Phase.FORWARD and owner.options.reshard_after_forward:
-                owner.group.reshard()
+        for owner in state.tied.owners_to_free_after_forward():
+            owner.group.reshard()
 
     def hook_outputs(self, state: GroupState, call: Call) -> None:
         if not torch.is_grad_enabled():
@@ -215,7 +239,7 @@ class Schedule:
         if state is self.states[0]:  # a pass of the whole model: its order is next step's prefetch order
             self.orders.forward = self.orders.seen
         self.forward_root, self.orders.seen = None, []
-        self._pass_ends()
+        self.collectives.pass_ends()
 
     # Backward actions --------------------------------------------------------------------------
     def queue_finalize(self, state: GroupState, call: None) -> None:
@@ -225,9 +249,9 @@ class Schedule:
 
     def unshard_for_backward(self, state: GroupState, call: None) -> None:
         if state.options.unshard_in_backward:
-            self._gather(state)
-        for owner in state.links.borrowed:
-            self._gather(owner)
+            self.collectives.gather(state)
+        for owner in state.tied.owners:
+            self.collectives.gather(owner)
 
     def prefetch_backward(self, state: GroupState, call: None) -> None:
         if state.options.backward_prefetch is not None:
@@ -238,18 +262,13 @@ class Schedule:
         else:
             targets = ()
         for target in targets:
-            self._prefetch(target, backward=True)
+            self.collectives.prefetch(target, backward=True)
 
     def reduce(self, state: GroupState, call: None) -> None:
-        if state.group is not None:
-            if any(b.step.phase is not Phase.POST_BACKWARD for b in state.links.borrowers):
-                state.step.deferred_reduce = True  # a group using our tied weights still adds gradients
-            else:
-                self._reduce(state)
-        for owner in state.links.borrowed:
-            if owner.step.deferred_reduce and all(b.step.phase is Phase.POST_BACKWARD for b in owner.links.borrowers):
-                owner.step.deferred_reduce = False
-                self._reduce(owner, reshard=owner.step.phase is not Phase.PRE_BACKWARD)
+        if state.group is not None and not state.tied.defer_reduce():
+            self.collectives.reduce(state, reshard=True)
+        for owner in state.tied.owners_ready_to_reduce():
+            self.collectives.reduce(owner, reshard=owner.step.phase is not Phase.PRE_BACKWARD)
 
     def end_step(self, state: GroupState, call: None) -> None:
         state.step.calls, state.step.to_run = 0, set()
@@ -258,36 +277,34 @@ class Schedule:
 
     def drop_step(self, state: GroupState, call: None) -> None:
         step = state.step
-        step.calls, step.to_run, step.deferred_reduce = 0, set(), False
+        step.calls, step.to_run, state.tied.deferred_reduce = 0, set(), False
         step.backward_index.clear()
         if state.group is not None:
             state.group.finish_reduce(keep=False)
             state.group.reshard()
             for p in state.group.params:
-                if p.unsharded_param is not None:
-                    p.unsharded_param.grad = None
-                p.accumulated_grad = None
+                p.drop_grads()
 
-    # Collectives (what the lockstep variant agrees on first) -----------------------------------
-    def _gather(self, state: GroupState) -> None:
+    # Collectives (what the collectives strategy calls; lockstep agrees on them first) -----------
+    def gather_now(self, state: GroupState) -> None:
         """Unshard ``state``'s group and wait for it."""
         if state.group is not None:
             state.group.unshard()
             state.group.wait_for_unshard()
 
-    def _prefetch(self, target: GroupState, backward: bool = False) -> None:
+    def prefetch_now(self, target: GroupState, backward: bool) -> None:
         """Issue ``target``'s all-gather early; its own hook waits for it."""
         if target.group is not None and (target.options.unshard_in_backward or not backward):
             target.group.unshard()
 
-    def _reduce(self, state: GroupState, reshard: bool = True) -> None:
+    def reduce_now(self, state: GroupState, reshard: bool) -> None:
         """Issue the group's reductions and reshard it; then finish, oldest first, the earlier
         reductions that have completed meanwhile, and the oldest anyway while more than
         MAX_REDUCING are in flight. (Polling goes in issue order: every rank starts its HSDP
         all-reduces in the same order.)"""
         group = state.group
         group.reduce_gradients()
-        if any(b.step.phase is Phase.PRE_BACKWARD for b in state.links.borrowers):
+        if state.tied.borrower_in(Phase.PRE_BACKWARD):
             reshard = False  # that group's backward may still read the tied weights
         if reshard and group.options.reshard_after_backward:
             group.reshard()
@@ -297,12 +314,8 @@ class Schedule:
         while len(reducing) > limit or len(reducing) > 1 and reducing[0].reduce_done():
             reducing.pop(0).finish_reduce()
 
-    def _pass_ends(self) -> None:
-        """This rank's forward pass or backward is over (lockstep: serve the other ranks)."""
 
-
-# Autograd calls these during backward; they find the root's schedule of the moment (it may
-# have become its lockstep variant since the forward). Dynamo leaves the tensor hook out, as
+# Autograd calls these during backward; they find the root's schedule through the state. Dynamo leaves the tensor hook out, as
 # the module hooks.
 @torch.compiler.disable
 def _pre_backward(state: GroupState, grad: torch.Tensor) -> None:

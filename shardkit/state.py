@@ -151,13 +151,55 @@ class Root:
 
 @dataclass
 class Links:
-    """Where a group sits: its name under the root, the ``fully_shard`` call around it, and the
-    groups it shares tied weights with (the owner keeps them; see schedule.py, "Tied")."""
+    """Where a group sits: its name under the root and the ``fully_shard`` call around it."""
 
     name: str = ""  # the module FQN under the root ("" for the root), set at lazy init
     parent: "GroupState | None" = None
-    borrowed: list["GroupState"] = field(default_factory=list)  # owners of tied weights we use
+
+
+@dataclass(eq=False)
+class Tied:
+    """Weights tied across groups (an embedding tied to a head that another call shards). A
+    tied weight belongs to the group that sharded it first, its owner; a borrower registers
+    the same parameter in its own modules and unshards the owner's group around its own
+    forward and backward. Autograd sums both uses into the one ``.grad``; the owner reduces it
+    once, after every group using it has passed its post-backward. The schedule's actions ask
+    this helper; nothing else in the schedule knows about tied weights."""
+
+    owners: list["GroupState"] = field(default_factory=list)  # groups whose tied weights we use
     borrowers: list["GroupState"] = field(default_factory=list)  # groups using our tied weights
+    deferred_reduce: bool = False  # our reduction waits for the borrowers' backward
+
+    def borrow_from(self, me: "GroupState", owner: "GroupState") -> None:
+        if owner not in self.owners:
+            self.owners.append(owner)
+            owner.tied.borrowers.append(me)
+
+    def borrower_in(self, phase: "Phase") -> bool:
+        """Whether a group using our tied weights is in ``phase`` (it still reads them)."""
+        return any(b.step.phase is phase for b in self.borrowers)
+
+    def owners_to_free_after_forward(self) -> list["GroupState"]:
+        """Owners whose tied weights our forward gathered and which do not run now themselves."""
+        return [o for o in self.owners if o.step.phase is not Phase.FORWARD and o.options.reshard_after_forward]
+
+    def defer_reduce(self) -> bool:
+        """Whether our reduction waits: a group using our tied weights still adds gradients."""
+        waits = any(b.step.phase is not Phase.POST_BACKWARD for b in self.borrowers)
+        self.deferred_reduce |= waits
+        return waits
+
+    def owners_ready_to_reduce(self) -> list["GroupState"]:
+        """Owners that deferred their reduction for us and every other borrower: all are done."""
+        ready = [o for o in self.owners if o.tied.deferred_reduce and all(b.step.phase is Phase.POST_BACKWARD for b in o.tied.borrowers)]
+        for owner in ready:
+            owner.tied.deferred_reduce = False
+        return ready
+
+    def take_deferred_reduce(self) -> bool:
+        """At the end of backward: a reduction still deferred (the borrowers never ran backward)."""
+        deferred, self.deferred_reduce = self.deferred_reduce, False
+        return deferred
 
 
 @dataclass
@@ -169,7 +211,6 @@ class Step:
     calls: int = 0  # forward calls entered and not yet left
     to_run: set = field(default_factory=set)  # modules of the group yet to run in this forward
     backward_index: list[int] = field(default_factory=list)  # places in the post-forward order
-    deferred_reduce: bool = False  # waiting for the groups using our tied weights
 
 
 @dataclass(eq=False, repr=False)  # compared by identity: it sits in sets and lists of groups
@@ -183,6 +224,7 @@ class GroupState:
     device: torch.device
     root: Root = field(default_factory=Root)
     links: Links = field(default_factory=Links)
+    tied: Tied = field(default_factory=Tied)
     step: Step = field(default_factory=Step)
 
     @property

@@ -2,7 +2,9 @@
 
 A group's all-gather is always one collective (``GatherBucket``): inputs of several dtypes
 travel as bytes. Its reduce-scatter is one per ``reduce_dtype`` (``Bucket``); usually one.
-``comm/collectives.py`` draws the layout.
+Both kinds know their copy-in (the parameters' data laid out as one collective's input) and
+copy-out (its output handed back to each parameter); ``comm/collectives.py`` draws the
+layout and runs the steps in order.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Bucket:
             _ONES[key] = torch.ones(key[:2], dtype=self.dtype, device=key[3])
         return _ONES[key]
 
-    def reduce_scatter_input(self, grads: list[torch.Tensor | None], missing: list[int]) -> torch.Tensor:
+    def copy_in(self, grads: list[torch.Tensor | None], missing: list[int]) -> torch.Tensor:
         """Copy-in: every gradient (zeros where missing) as ``world`` padded chunks, rank-major,
         then the grad-presence columns: ``(world, per_rank + n)``."""
         params, device, world = self.params, self.params[0].device, self.world
@@ -67,6 +69,14 @@ class Bucket:
             p.chunk_grad_into(g, block)  # split along another dim: rearranged per parameter
         blocks[-1].copy_(present)
         return send
+
+    def copy_out(self, reduced: torch.Tensor, counts: list[float] | None, missing: list[int]) -> None:
+        """Each parameter's rows of this rank's reduced ``(per_rank,)`` chunk into its ``.grad``;
+        none for a parameter that no rank had a gradient for (``counts``: the summed presence
+        columns, read only when this rank lacks a gradient)."""
+        for i, (p, rows) in enumerate(zip(self.params, reduced.split_with_sizes(self.shard_numels))):
+            if counts is None or i not in missing or counts[i] > 0:
+                p.set_sharded_grad(p.local_grad(rows))
 
     @functools.cached_property
     def subsets(self) -> dict[tuple[int, ...], "Bucket"]:
@@ -112,19 +122,13 @@ class GatherBucket:
         self.per_rank = sum(self.sizes)  # one rank's input, in ``dtype`` elements
 
     def inputs(self) -> list[torch.Tensor]:
-        """Every piece, flat (cast or moved on copy-in if need be); makes room for the outputs
-        (on the compute stream: see the Note in streams.py)."""
+        """Every piece, flat: the padded shards (cast or moved by ``copy_in`` if need be), the
+        post-forward shards, or what the parameters' ``fsdp_pre_all_gather`` returns."""
         if not self.hooked:
-            for p in self.params:
-                p.alloc_unsharded_storage()
             return [p.post_forward_shard for p in self.params] if self.post_forward else self._padded_inputs
         inputs, owners, dtypes = [], [], []
         for p in self.params:
             mine = p.all_gather_inputs()
-            if p.extension is None:
-                p.alloc_unsharded_storage()
-            else:
-                p.extension.alloc_outputs(mine, self.world, p.device)
             inputs += mine
             owners += [p] * len(mine)
             dtypes += [p.param_dtype] if p.extension is None else [x.dtype for x in mine]
@@ -134,6 +138,53 @@ class GatherBucket:
         elif (numels, dtypes) != (self.numels, self.dtypes):
             raise ValueError(f"the all-gather inputs of {[p.fqn for p in self.params]} changed between steps: {numels} {dtypes}, were {self.numels} {self.dtypes}.")
         return inputs
+
+    def alloc_outputs(self, inputs: list[torch.Tensor]) -> None:
+        """Make room for the all-gather's output where copy-out puts it: each parameter's
+        unsharded buffer (``free_outputs`` let it go), or the outputs its hooks ask for."""
+        if not self.hooked:
+            for p in self.params:
+                p.alloc_unsharded_storage()
+            return
+        for p in self.params:
+            if p.extension is None:
+                p.alloc_unsharded_storage()
+            else:
+                p.extension.alloc_outputs([x for x, owner in zip(inputs, self.owners) if owner is p], self.world, p.device)
+
+    def free_outputs(self) -> None:
+        """Give the unsharded buffers' memory back (at reshard)."""
+        for p in self.params:
+            p.free_unsharded()
+
+    def copy_in(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """The inputs end to end in the bucket's dtype on the compute device, ``(per_rank,)``: a
+        view of the one input, a ``torch.cat``, or, when a cast (mixed precision, bytes) or a
+        host-to-device copy (offload) is due, one ``copy_`` per input into a fresh buffer."""
+        if not self.copy_in_converts:
+            return inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        device = self.params[0].device
+        send = torch.empty(self.per_rank, dtype=self.dtype, device=device)
+        for piece, x, dtype in zip(send.split(self.sizes), inputs, self.dtypes):
+            if self.dtype is torch.uint8 and dtype is not torch.uint8:
+                x = x.to(device, dtype, non_blocking=True).view(torch.uint8)
+            piece.copy_(x, non_blocking=True)  # pinned host memory: asynchronous on the side stream
+        return send
+
+    def copy_out(self, output: torch.Tensor, custom: bool = False) -> None:
+        """Each piece's column block of the ``(world, per_rank)`` output into its own buffer
+        (nothing to copy when gathered in place, unless a user's all-gather made the output)."""
+        if self.in_place and not custom:
+            return
+        rows = output.view(self.world, -1)  # (world, per_rank)
+        if self.by_rows:
+            torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=self.columns)  # each (world, size)
+            return
+        for p, dtype, block, column in zip(self.owners, self.dtypes, rows.split(self.sizes, dim=1), self.columns):
+            if p.dim == 0 or p.extension is not None:
+                column.copy_(block)
+            else:  # split along another dim: rearranged per parameter
+                p.copy_out(block if block.dtype == dtype else block.contiguous().view(dtype))
 
     @functools.cached_property
     def _padded_inputs(self) -> list[torch.Tensor]:

@@ -9,8 +9,9 @@ each parameter's reduced rows are a view of this rank's chunk.
 
 Every collective is split in two: ``all_gather`` / ``reduce_scatter`` issue it (copy-in and
 the collective, through ``comm/streams.py``, which says where they run) and return a pending
-record; ``finish_all_gather`` / ``finish_reduce_scatter`` wait for it and hand the result
-over (copy-out, on the compute stream). The same steps on every device.
+record; ``finish_all_gather`` / ``Reduction.finish`` wait for it and hand the result over
+(copy-out, on the compute stream). The same steps on every device. A reduction takes one of
+four routes, each a ``Reduction`` subclass with its own collective and read-back.
 
 The reduce-scatter carries one extra column per parameter, the **grad-presence column**: 1
 where this rank produced a gradient, else 0. After the sum it tells every rank whether any
@@ -18,12 +19,14 @@ rank used the parameter, so a parameter unused on every rank keeps ``.grad = Non
 a single process), while one unused on some ranks only is reduced with zeros there.
 
 On gloo (whose reduce-scatter is slow, docs/design.md) it is an all-to-all of the buffer and
-a sum of the received chunks ("via all_to_all" in the trace).
+a sum of the received chunks ("via all_to_all" in the trace), or with HSDP or hooks an
+all-reduce ("via all_reduce").
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,29 +53,44 @@ class Comm:
     streams: Streams
     gloo: bool  # its reduce_scatter is slow: reductions go another way (see reduce_scatter)
     mesh_dim: str  # the mesh dimension's name, for the trace
-    averages: bool = False  # the backend divides by the ranks itself (ReduceOp.AVG): NCCL, and the fake one standing in for it
+    averages: bool = False  # the backend divides by the ranks itself (ReduceOp.AVG)
+    at_once: bool = False  # the backend's work is done once issued (see backend_of)
 
     @classmethod
     def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None, separate: bool = False) -> "Comm":
         group = mesh.get_group(dim)
-        if separate:  # a second process group over the same ranks, one per rank set and world
-            # (keyed by the world group too: a new init_process_group, or each rank's world under
-            # torch's threaded process group, gets its own)
-            key = (dist.group.WORLD, tuple(dist.get_process_group_ranks(group)))
-            if key not in _separate_groups:
-                _separate_groups[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
-            group = _separate_groups[key]
-        backend = str(dist.get_backend(group))
+        if separate:  # a second process group over the same ranks, one per process group
+            if group not in _separate_groups:  # (dropped with it: weakly keyed)
+                _separate_groups[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+            group = _separate_groups[group]
+        gloo, averages, at_once = backend_of(group)
         if name is None:
             name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
         world = dist.get_world_size(group)
-        return cls(group, world, dist.get_rank(group), streams, backend == "gloo", name, backend in ("nccl", "fake") and world > 1)
+        return cls(group, world, dist.get_rank(group), streams, gloo, name, averages and world > 1, at_once)
 
 
-_separate_groups: dict[tuple, dist.ProcessGroup] = {}
+def backend_of(group: dist.ProcessGroup) -> tuple[bool, bool, bool]:
+    """What the collectives need to know of a process group's backend: (gloo: its
+    reduce-scatter is slow; it averages with ReduceOp.AVG; its work is done once issued). The
+    one place that knows torch's fake process group (tests at any world size in one process):
+    it stands in for NCCL, so it averages as NCCL does, and its work never says
+    ``is_completed()``, though its future is done at once."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo", backend in ("nccl", "fake"), backend == "fake"
+
+
+_separate_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its second one
 
 
 # All-gather --------------------------------------------------------------------------------
+# The all-gather output's whole life, in order:
+#   1. allocate: ``all_gather`` makes room in the unsharded buffers (on the compute stream: see
+#      the Note in streams.py), or the collective gets an output of its own;
+#   2. copy-in and the collective: ``all_gather``'s launch (on the side stream on CUDA);
+#   3. copy-out: ``finish_all_gather``, after waiting (on the compute stream);
+#   4. free: ``free_all_gather``, at reshard.
+# The layouts (what goes where) are the bucket's: ``GatherBucket.copy_in`` / ``copy_out``.
 @dataclass
 class PendingAllGather:
     bucket: GatherBucket
@@ -84,7 +102,8 @@ class PendingAllGather:
 def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> PendingAllGather:
     """Issue one all-gather of the bucket's shards (``finish_all_gather`` copies them out);
     ``custom``: the user's ``AllGather`` (``set_custom_all_gather``) allocates and runs it."""
-    inputs = bucket.inputs()  # and room for the outputs, on the compute stream (see the Note in streams.py)
+    inputs = bucket.inputs()
+    bucket.alloc_outputs(inputs)
     numel = comm.world * bucket.per_rank
     traced = None  # (no keyword arguments packed per call unless a trace records)
     if trace.is_recording():
@@ -92,7 +111,7 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> Pend
     check.before(comm.group, "all_gather", name, bucket.dtype, numel, comm.world)
 
     def launch(async_op: bool):
-        send = _copy_in(bucket, inputs)  # (per_rank,)
+        send = bucket.copy_in(inputs)  # (per_rank,)
         if custom is not None:
             output = custom.allocate((numel,), dtype=bucket.dtype, device=send.device)
             work = custom(output_tensor=output, input_tensor=send, group=comm.group, async_op=async_op)
@@ -101,51 +120,26 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> Pend
         work = _all_gather_single(output, send, group=comm.group, async_op=async_op)
         return work, {"input": send, "output": output}
 
-    handle = comm.streams.issue(Collective("all_gather", name, traced), {"shards": inputs}, launch)
+    handle = comm.streams.issue(Collective("all_gather", name, traced, comm.at_once), {"shards": inputs}, launch)
     return PendingAllGather(bucket, handle, handle.buffers["output"], custom is not None)
 
 
 def finish_all_gather(pending: PendingAllGather) -> None:
     """Wait for the all-gather; then the unsharded parameters hold the gathered data."""
     pending.handle.wait()
-    _copy_out(pending.bucket, pending.output, pending.custom)
+    pending.bucket.copy_out(pending.output, pending.custom)
     for p in pending.bucket.params:
         p.gathered()
 
 
-def _copy_in(bucket: GatherBucket, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """The inputs end to end in the bucket's dtype on the compute device: a view of the one
-    input, a ``torch.cat``, or, when a cast (mixed precision, bytes) or a host-to-device copy
-    (offload) is due, one ``copy_`` per input into a fresh buffer."""
-    if not bucket.copy_in_converts:
-        return inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-    device = bucket.params[0].device
-    send = torch.empty(bucket.per_rank, dtype=bucket.dtype, device=device)
-    for piece, x, dtype in zip(send.split(bucket.sizes), inputs, bucket.dtypes):
-        if bucket.dtype is torch.uint8 and dtype is not torch.uint8:
-            x = x.to(device, dtype, non_blocking=True).view(torch.uint8)
-        piece.copy_(x, non_blocking=True)  # pinned host memory: asynchronous on the side stream
-    return send
-
-
-def _copy_out(bucket: GatherBucket, output: torch.Tensor, custom: bool = False) -> None:
-    """Each piece's column block of the (world, per_rank) output into its own buffer."""
-    if bucket.in_place and not custom:
-        return
-    rows = output.view(bucket.world, -1)  # (world, per_rank)
-    if bucket.by_rows:
-        torch.split_with_sizes_copy(rows, bucket.sizes, dim=1, out=bucket.columns)  # each (world, size)
-        return
-    for p, dtype, block, column in zip(bucket.owners, bucket.dtypes, rows.split(bucket.sizes, dim=1), bucket.columns):
-        if p.dim == 0 or p.extension is not None:
-            column.copy_(block)
-        else:  # split along another dim: rearranged per parameter
-            p.copy_out(block if block.dtype == dtype else block.contiguous().view(dtype))
+def free_all_gather(bucket: GatherBucket) -> None:
+    """Let the all-gather's output go (reshard; the next ``all_gather`` makes room again)."""
+    bucket.free_outputs()
 
 
 # Reduce-scatter ----------------------------------------------------------------------------
 @dataclass
-class Reduction:
+class ReduceSettings:
     """How a group's gradients are reduced, besides the bucket and its process group."""
 
     divide_by: float  # the sum over ranks is divided by this (the ranks, or the user's factor)
@@ -157,83 +151,152 @@ class Reduction:
     force_sum: bool = False  # set_force_sum_reduction_for_comms: ReduceOp.SUM, then divide
     user_factor: bool = False  # divide_by is set_gradient_divide_factor's (FSDP2 picks other ops for it)
 
-
-@dataclass
-class PendingReduction:
-    bucket: Bucket
-    handles: list[Handle]  # the reduce-scatter, then (HSDP) what continues it over the replicas
-    chunk: torch.Tensor  # (per_rank + n,): this rank's reduced rows, then the presence counts
-    missing: list[int]  # indices of the parameters this rank has no gradient for
-    divide_by: float  # after the reduction
-    keep_partial: dict | None  # see Reduction
-    averaged_over: int  # 1: ``chunk`` holds sums; else the backend averaged over this many ranks
-    via: str  # "": ``chunk`` is the reduced chunk; "all_reduce": a row of the whole all-reduce buffer;
-    # "all_to_all": (world, per_rank + n), every rank's rows for this rank, to sum (gloo)
-    hook: tuple | None = None  # see Reduction
+    @property
+    def plain(self) -> bool:
+        """Nothing but the reduction over the shard dim: no user's collective, hook or HSDP."""
+        return self.custom is None and self.hook is None and self.replicate is None and self.keep_partial is None and self.partial is None
 
 
-def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, how: Reduction) -> PendingReduction:
-    """Issue one reduction of the bucket's unsharded grads (None where this rank has none),
-    in the bucket's dtype (``reduce_dtype``), and divide the sum by ``how.divide_by``.
+def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, settings: ReduceSettings) -> "Reduction":
+    """Issue one reduction of the bucket's unsharded grads (None where this rank has none), by
+    the route that suits the backend: a reduce-scatter; on gloo (whose reduce-scatter is slow,
+    docs/design.md) an all-to-all and a sum here over one dim, else (HSDP, hooks) an
+    all-reduce (twice the bytes); or the user's reduce-scatter."""
+    if settings.custom is not None:
+        route = UserReduceScatter
+    elif comm.gloo:
+        route = AllToAllSum if settings.plain else AllReduceRow
+    else:
+        route = ReduceScatter
+    return route(bucket, grads, comm, name, settings)
+
+
+class Reduction:
+    """One issued reduction of a bucket's gradients, in the bucket's dtype (``reduce_dtype``),
+    divided by ``settings.divide_by``; ``finish`` hands each parameter its rows as ``.grad``.
+    The subclasses are the routes: each has its own collective (``_launch``) and reads its own
+    result back (``_reduced``).
 
     In a dtype with little range (fp16) part of the division comes before the sum, so that the
     sum of ``world`` gradients cannot overflow (FSDP2's pre/post factors). With
-    ``how.replicate`` (HSDP), the reduced chunk is then all-reduced over the replicas; with
-    ``how.keep_partial`` it is not, and is kept (undivided) for the next reduction to add.
-    ``_reduce_ops`` picks the ops (SUM, or AVG where the backend averages).
+    ``settings.replicate`` (HSDP), the reduced chunk is then all-reduced over the replicas;
+    with ``settings.keep_partial`` it is not, and is kept (undivided) for the next reduction
+    to add. ``_reduce_ops`` picks the ops (SUM, or AVG where the backend averages).
     """
-    world, n = comm.world, len(bucket.params)
-    pre, post, op, replicate_op = _reduce_ops(comm, how, bucket.dtype)
-    plain = how.custom is None and how.hook is None and how.replicate is None and how.keep_partial is None and how.partial is None
-    missing = [i for i, g in enumerate(grads) if g is None]
-    numel = world * (bucket.per_rank + n)
-    # gloo's reduce_scatter is slow: over one dim an all-to-all (the same bytes) and the sum
-    # here; else (HSDP, hooks) an all-reduce (twice the bytes). See docs/design.md.
-    by_all_to_all = comm.gloo and plain
-    by_all_reduce = comm.gloo and how.custom is None and not by_all_to_all
-    via = "all_to_all" if by_all_to_all else "all_reduce" if by_all_reduce else ""
-    traced = None
-    if trace.is_recording():
-        op_name = _op_name(op)
-        traced = trace.record("reduce_scatter", name, f"via {via}" if via else "", dtype=bucket.dtype, numel=numel, world=world, mesh_dim=comm.mesh_dim, op=op_name, divide_by=post)
-    check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, world)
 
-    def launch(async_op: bool):
-        send = bucket.reduce_scatter_input(grads, missing)  # (world, per_rank + n)
-        if pre != 1:
-            send.div_(pre)  # the presence column too: it only has to stay above zero
-        if by_all_to_all:  # row r of ``chunk``: rank r's rows for this rank, summed by finish_reduce_scatter
-            chunk = torch.empty_like(send)  # (world, per_rank + n)
-            work = dist.all_to_all_single(chunk, send, group=comm.group, async_op=async_op)
-        elif by_all_reduce:
-            work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
-            chunk = send[comm.rank]  # (per_rank + n,)
-        elif how.custom is not None:
-            work, chunk, send = _custom_reduce_scatter(how.custom, send, bucket.per_rank + n, comm.group, op, async_op)
-        else:
-            chunk = send.new_empty(bucket.per_rank + n)
-            work = _reduce_scatter_single(chunk, send.view(-1), op=op, group=comm.group, async_op=async_op)
-        return work, {"input": send, "output": chunk}
+    via = ""  # the trace's detail: how the route reduces
 
-    handle = comm.streams.issue(Collective("reduce_scatter", name, traced), {"unsharded gradients": grads}, launch)
-    chunk = handle.buffers["output"]
-    handles = [handle]
-    averaged_over = world if op == dist.ReduceOp.AVG else 1
-    if how.partial is not None or how.replicate is not None and how.keep_partial is None:
-        handles.append(_over_replicas(handle, chunk, comm.streams, name, how, replicate_op, averaged_over))
-    return PendingReduction(bucket, handles, chunk, missing, post, how.keep_partial, averaged_over, via, how.hook)
+    def __init__(self, bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, settings: ReduceSettings) -> None:
+        self.bucket, self.comm, self.settings = bucket, comm, settings
+        self.missing = [i for i, g in enumerate(grads) if g is None]  # parameters this rank has no gradient for
+        pre, self.divide_by, op, replicate_op = _reduce_ops(comm, settings, bucket.dtype)
+        self.averaged_over = comm.world if op == dist.ReduceOp.AVG else 1  # 1: the chunk holds sums
+        numel = comm.world * (bucket.per_rank + len(bucket.params))
+        traced = None
+        if trace.is_recording():
+            traced = trace.record("reduce_scatter", name, self.via, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim, op=_op_name(op), divide_by=self.divide_by)
+        check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, comm.world)
+
+        def launch(async_op: bool):
+            send = bucket.copy_in(grads, self.missing)  # (world, per_rank + n)
+            if pre != 1:
+                send.div_(pre)  # the presence column too: it only has to stay above zero
+            work, chunk, send = self._launch(send, op, async_op)
+            return work, {"input": send, "output": chunk}
+
+        handle = comm.streams.issue(Collective("reduce_scatter", name, traced, comm.at_once), {"unsharded gradients": grads}, launch)
+        self.chunk = handle.buffers["output"]
+        self.handles = [handle]  # the reduction, then (HSDP) what continues it over the replicas
+        if settings.partial is not None or settings.replicate is not None and settings.keep_partial is None:
+            self.handles.append(_over_replicas(handle, self.chunk, comm.streams, name, settings, replicate_op, self.averaged_over))
+
+    def _launch(self, send: torch.Tensor, op, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Start the collective on ``send`` ``(world, per_rank + n)``: (work, its output, its input)."""
+        raise NotImplementedError
+
+    def _reduced(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's reduced rows ``(per_rank,)`` and the summed presence columns ``(n,)``."""
+        chunk, per_rank = self.chunk, self.bucket.per_rank  # (per_rank + n,)
+        return chunk.narrow(0, 0, per_rank), chunk.narrow(0, per_rank, len(self.bucket.params))
+
+    def _divide(self, reduced: torch.Tensor) -> torch.Tensor:
+        if self.divide_by != 1:
+            reduced.div_(self.divide_by)  # not at all when the collective averaged
+        return reduced
+
+    def done(self) -> bool:
+        """Whether the reduction has completed, moving it on without blocking (starting the HSDP
+        all-reduce once its reduce-scatter is done, on the CPU)."""
+        return all(h.poll() for h in self.handles)  # in order, stopping at the first not done
+
+    def finish(self, keep: bool = True) -> None:
+        """Wait for the reduction and give each parameter its rows as (part of) ``.grad``
+        (``keep=False``: drop them, after an aborted step)."""
+        for handle in self.handles:
+            handle.wait()
+        if not keep:
+            return
+        settings, bucket = self.settings, self.bucket
+        if settings.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
+            settings.keep_partial[tuple(map(id, bucket.params))] = (self.chunk, self.averaged_over)
+            return
+        reduced, counts = self._reduced()
+        # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
+        # GPU) only when this rank lacks one.
+        counts = counts.tolist() if self.missing else None
+        if settings.hook is not None:  # set_all_reduce_hook: the summed chunk, before the division
+            call_on(settings.hook[1], settings.hook[0], reduced)
+        bucket.copy_out(self._divide(reduced), counts, self.missing)
 
 
-def _custom_reduce_scatter(custom, send: torch.Tensor, chunk_numel: int, group, op, async_op: bool):
-    """``set_custom_reduce_scatter``: the user's buffers and collective; (work, chunk, input)."""
-    buffer = custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
-    buffer.copy_(send.view(-1))
-    chunk = custom.allocate((chunk_numel,), dtype=send.dtype, device=send.device)
-    work = custom(output_tensor=chunk, input_tensor=buffer, group=group, op=op, async_op=async_op)
-    return work, chunk, buffer
+class ReduceScatter(Reduction):
+    """One reduce-scatter (NCCL and the like)."""
+
+    def _launch(self, send, op, async_op):
+        chunk = send.new_empty(self.bucket.per_rank + len(self.bucket.params))
+        return _reduce_scatter_single(chunk, send.view(-1), op=op, group=self.comm.group, async_op=async_op), chunk, send
 
 
-def _reduce_ops(comm: Comm, how: Reduction, dtype: torch.dtype) -> tuple[float, float, Any, Any]:
+class AllToAllSum(Reduction):
+    """gloo over one dim: an all-to-all (the bytes of a reduce-scatter), then the sum here."""
+
+    via = "via all_to_all"
+
+    def _launch(self, send, op, async_op):
+        chunk = torch.empty_like(send)  # row r: rank r's rows for this rank
+        return dist.all_to_all_single(chunk, send, group=self.comm.group, async_op=async_op), chunk, send
+
+    def _reduced(self):
+        chunk, per_rank = self.chunk, self.bucket.per_rank  # (world, per_rank + n)
+        return chunk.narrow(1, 0, per_rank).sum(0), chunk.narrow(1, per_rank, len(self.bucket.params)).sum(0)
+
+
+class AllReduceRow(Reduction):
+    """gloo with HSDP or hooks: an all-reduce of the whole buffer; this rank keeps its row."""
+
+    via = "via all_reduce"
+
+    def _launch(self, send, op, async_op):
+        work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.comm.group, async_op=async_op)
+        return work, send[self.comm.rank], send  # (per_rank + n,)
+
+    def _divide(self, reduced):
+        return reduced / self.divide_by  # into a new tensor: .grad must not keep every rank's rows alive
+
+
+class UserReduceScatter(Reduction):
+    """``set_custom_reduce_scatter``: the user's buffers and collective."""
+
+    def _launch(self, send, op, async_op):
+        custom = self.settings.custom
+        buffer = custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
+        buffer.copy_(send.view(-1))
+        chunk = custom.allocate((self.bucket.per_rank + len(self.bucket.params),), dtype=send.dtype, device=send.device)
+        work = custom(output_tensor=chunk, input_tensor=buffer, group=self.comm.group, op=op, async_op=async_op)
+        return work, chunk, buffer
+
+
+def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[float, float, Any, Any]:
     """(divide before, divide after, the reduce-scatter's op, the HSDP all-reduce's op). SUM
     and a division, except for fp32/bf16 divided by the ranks on a backend that averages
     (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
@@ -260,7 +323,7 @@ def _op_name(op) -> str:
     return "avg" if op == dist.ReduceOp.AVG else "sum"
 
 
-def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: str, how: Reduction, op, averaged_over: int) -> Handle:
+def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: str, how: ReduceSettings, op, averaged_over: int) -> Handle:
     """HSDP, once the reduce-scatter is done: add the sums kept from reductions without an
     all-reduce, then all-reduce the chunk over the replicas (unless it is kept instead)."""
     replicate = how.replicate if how.keep_partial is None else None
@@ -279,48 +342,7 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
         return work, {}
 
     inputs = {"buffer": chunk, "partial sums": how.partial[0] if how.partial is not None else None}
-    return streams.issue(Collective("all_reduce", name, traced), inputs, launch, after=first)
-
-
-def reduce_done(pending: PendingReduction) -> bool:
-    """Whether the reduction has completed, moving it on without blocking (starting the HSDP
-    all-reduce once its reduce-scatter is done, on the CPU)."""
-    return all(h.poll() for h in pending.handles)  # in order, stopping at the first not done
-
-
-def finish_reduce_scatter(pending: PendingReduction, keep: bool = True) -> None:
-    """Wait for the reduction and give each parameter its rows as (part of) ``.grad``
-    (``keep=False``: drop them, after an aborted step)."""
-    for handle in pending.handles:
-        handle.wait()
-    bucket = pending.bucket
-    if not keep:
-        return
-    if pending.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
-        pending.keep_partial[tuple(map(id, bucket.params))] = (pending.chunk, pending.averaged_over)
-        return
-    # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
-    # GPU) only when this rank lacks one. Under a fake process group they are garbage.
-    per_rank, n, chunk, counts = bucket.per_rank, len(bucket.params), pending.chunk, None
-    if pending.via == "all_to_all":  # (world, per_rank + n): every rank's rows for this rank
-        reduced = chunk.narrow(1, 0, per_rank).sum(0)
-        if pending.missing:
-            counts = chunk.narrow(1, per_rank, n).sum(0).tolist()
-    else:  # (per_rank + n,): the reduced rows, then the presence counts
-        reduced = chunk.narrow(0, 0, per_rank)
-        if pending.missing:
-            counts = chunk.narrow(0, per_rank, n).tolist()
-    if pending.hook is not None:  # set_all_reduce_hook: the summed chunk, before the division
-        call_on(pending.hook[1], pending.hook[0], reduced)
-    # After an all-reduce, divide into a new tensor, so that the gradients do not keep every
-    # rank's rows alive; else in place (not at all when the collective averaged).
-    if pending.via == "all_reduce":
-        reduced = reduced / pending.divide_by
-    elif pending.divide_by != 1:
-        reduced.div_(pending.divide_by)
-    for i, (p, rows) in enumerate(zip(bucket.params, reduced.split_with_sizes(bucket.shard_numels))):
-        if counts is None or i not in pending.missing or counts[i] > 0:
-            p.set_sharded_grad(p.local_grad(rows))
+    return streams.issue(Collective("all_reduce", name, traced, replicate is not None and replicate.at_once), inputs, launch, after=first)
 
 
 def _divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:

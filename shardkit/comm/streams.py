@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 from shardkit.comm import check, sim, trace
 
-_FakeWork = getattr(torch._C._distributed_c10d, "FakeWork", ())
 KINDS = trace.COLLECTIVES  # all_gather, reduce_scatter, all_reduce: one side stream each
 
 # Copy-in and start one collective with ``async_op``; return its work and the buffers it
@@ -63,6 +62,7 @@ class Collective:
     kind: str  # all_gather, reduce_scatter, all_reduce: the side stream it runs on
     group: str  # the group's name
     traced: trace.Event | None = None  # while a trace records
+    at_once: bool = False  # its backend's work is done once issued, whatever is_completed() says
 
 
 class Handle:
@@ -121,8 +121,7 @@ class Streams:
                 return False
             self._start_after(handle)
         work = handle.done
-        # The fake process group's work never says is_completed(); its future is done at once.
-        return work is None or work.is_completed() or isinstance(work, _FakeWork) and work.get_future().done()
+        return work is None or handle.what.at_once or work.is_completed()
 
     def wait(self, handle: Handle) -> None:
         if handle.start is not None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit import versions
@@ -115,6 +115,7 @@ class ShardedParam:
         self._shard_mesh: DeviceMesh | None = None  # the hooks' 1-D mesh, made at the first all-gather
         self.unsharded_flat: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
+        self._data_replaced = False  # the module gave the unsharded parameter other data (see to_sharded)
         self._shard(local.detach(), device)
 
     def _my_rows(self, full: torch.Tensor) -> torch.Tensor:
@@ -236,6 +237,7 @@ class ShardedParam:
         self._unsharded_storage, self._unsharded_nbytes = flat.untyped_storage(), flat.numel() * flat.element_size()
         self._flat_storage = flat.untyped_storage()._cdata  # what the unsharded parameter views, unless replaced
         self.unsharded_padded = self.unsharded_flat.view(padded.shape)
+        self._data_replaced = False
         free_storage(self.unsharded_flat)
 
     def all_gather_inputs(self) -> list[torch.Tensor]:
@@ -268,16 +270,140 @@ class ShardedParam:
         if self._unsharded_storage.size() != self._unsharded_nbytes:
             self._unsharded_storage.resize_(self._unsharded_nbytes)
 
-    def to_unsharded(self) -> None:
-        param = self.unsharded_param
-        if param.requires_grad != self.requires_grad:
-            param.requires_grad_(self.requires_grad)
+    # Registration on the modules ----------------------------------------------------------------
+    def put_on_modules(self, param: nn.Parameter) -> None:
+        """The one place a parameter is put on the modules: every slot it is registered in."""
         for slot in self.slots:
             slot.module._parameters[slot.name] = param
 
+    def add_slots(self, slots: list[ParamSlot], unsharded: bool) -> None:
+        """More places that register this parameter (a weight tied across groups): they get the
+        form the modules hold now."""
+        self.slots.extend(slots)
+        self.put_on_modules(self.unsharded_param if unsharded else self.sharded_param)
+
+    def to_unsharded(self) -> None:
+        """Register the unsharded parameter (after an all-gather, or kept data)."""
+        param = self.unsharded_param
+        if param.requires_grad != self.requires_grad:
+            param.requires_grad_(self.requires_grad)
+        if self._data_replaced:
+            self._refill_module_data()
+        self.put_on_modules(param)
+
     def to_sharded(self) -> None:
+        """Register the sharded parameter again (reshard), after checking what the modules did
+        with the unsharded one meanwhile (the rare cases: see "What users replace")."""
         for slot in self.slots:
-            slot.module._parameters[slot.name] = self.sharded_param
+            held = slot.module._parameters.get(slot.name)
+            if held is not self.unsharded_param and held is not self.sharded_param:
+                raise self._replaced_in_forward(slot)
+        if self.extension is None and self.tp_spec is None:  # did the module give it other data?
+            self._data_replaced = self.unsharded_param.untyped_storage()._cdata != self._flat_storage
+        self.put_on_modules(self.sharded_param)
+
+    # What users replace ----------------------------------------------------------------------
+    # - ``module._apply`` (``.to(...)``, ``to_empty``) swaps the sharded parameter's data:
+    #   ``reset_from_registered`` re-derives the padded shard from it.
+    # - Before the first forward a parameter may be assigned anew (``m.w = nn.Parameter(t)``, or
+    #   ``load_state_dict(sd, assign=True)`` after meta-device init): ``adopt_registered`` takes
+    #   it at lazy init, as FSDP2 does.
+    # - ``load_state_dict`` with full tensors: ``shard_of_full`` cuts this rank's shard of each.
+    # - During forward a module may change its own parameter's data (HF SwitchTransformers'
+    #   router runs ``self.classifier = self.classifier.to(torch.float32)``, which sets
+    #   ``param.data`` to an fp32 copy): ``to_sharded`` notices, and from then on every
+    #   ``to_unsharded`` refills the module's data (``_refill_module_data``). A new Parameter
+    #   object there cannot be followed: ``to_sharded`` raises.
+    def reset_from_registered(self) -> None:
+        """Re-derive the padded shard after ``module._apply`` (``to_empty``, ``.to``) swapped its data."""
+        registered = self.slots[0].module._parameters[self.slots[0].name]
+        local = registered._local_tensor
+        if local.device.type == "meta":
+            padded = local.new_empty(self.padded_shape)
+        elif _backs(self.padded_shard, local):
+            padded = self.padded_shard  # nothing moved
+        elif type(local) is torch.Tensor and local.shape == self.padded_shape and local.is_contiguous():
+            padded = local  # no padding to add: keep the new tensor (to_empty's pages stay untouched)
+        else:
+            padded = local.new_zeros(self.padded_shape)
+            with torch.no_grad():
+                self._valid(padded).copy_(local)
+            registered._local_tensor = self._valid(padded)
+        # Keep the registered Parameter object (the optimizer may already hold it).
+        self.padded_shard, self.sharded_param = padded, registered
+        if local.dtype != self.dtype:  # .to(dtype): mixed-precision dtypes that followed the old one follow the new
+            self.param_dtype = local.dtype if self.param_dtype == self.dtype else self.param_dtype
+            self.reduce_dtype = local.dtype if self.reduce_dtype == self.dtype else self.reduce_dtype
+        self.dtype, self.spec = local.dtype, registered._spec
+        self.unsharded_param = self.unsharded_flat = None
+        self.extension = extension.of(local, self.fqn)
+
+    def adopt_registered(self) -> None:
+        """At lazy init: take what the module holds if it is no longer our sharded parameter. A
+        DTensor like ours is adopted; a full tensor (FSDP2 raises) is sharded into a new one."""
+        slot = self.slots[0]
+        registered = slot.module._parameters[slot.name]
+        if registered is self.sharded_param or registered is self.unsharded_param:
+            return  # ours (unsharded: an explicit unshard() before the first forward)
+        where = f"{type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}')"
+        if isinstance(registered, DTensor):
+            if (registered.shape, registered.placements) != (self.sharded_param.shape, self.spec.placements):
+                raise ValueError(
+                    f"shardkit: {where} was replaced after fully_shard by a DTensor {list(registered.placements)} of "
+                    f"shape {tuple(registered.shape)}; expected {list(self.spec.placements)} of shape "
+                    f"{tuple(self.sharded_param.shape)} (a state dict of the same model, sharded the same way)."
+                )
+            self.reset_from_registered()
+        elif self.tp_spec is None and registered.shape == self.shape:
+            self._init_requires_grad = registered.requires_grad
+            self._shard(registered.detach(), self.device)  # a new Parameter (DTensor has slots: no swap_tensors)
+            registered._shardkit_replaced = True  # an optimizer holding it warns at its first step
+        else:
+            raise ValueError(
+                f"shardkit: {where} was replaced after fully_shard by a tensor of shape {tuple(registered.shape)}; "
+                f"it can take a full tensor of shape {tuple(self.shape)} before the first forward."
+            )
+        self.sharded_param._shardkit_owned = True
+        self.put_on_modules(self.sharded_param)
+
+    def shard_of_full(self, full: torch.Tensor) -> DTensor:
+        """This rank's shard of a full (unsharded, global) tensor, as a DTensor like the sharded
+        parameter: for ``load_state_dict`` of plain tensors. No communication."""
+        if self.tp_spec is not None:  # the TP-local part first, as tensor parallel would have it
+            full = distribute_tensor(full, self.tp_spec.mesh, self.tp_spec.placements, src_data_rank=None)._local_tensor
+        return to_dtensor(self._my_rows(full).to(self.shard_device, self.dtype), self.spec)
+
+    def _refill_module_data(self) -> None:
+        """The module gave the unsharded parameter other data during a forward: keep its choice
+        of dtype and device, and refill it with what was just gathered, so that no step computes
+        with an earlier step's values. (``.data``: autograd does not see this as an in-place
+        edit; within a step the values are the same.)"""
+        data = self.unsharded_param.data
+        gathered = self.unsharded_padded.narrow(self.dim, 0, self.shape[self.dim])
+        if data.shape != gathered.shape:
+            raise RuntimeError(
+                f"shardkit: parameter '{self.fqn}' of {type(self.slots[0].module).__name__} was given data of shape "
+                f"{tuple(data.shape)} during forward, but it has shape {tuple(gathered.shape)}; shardkit can follow a "
+                "change of dtype or device only. Reshape a copy instead of the parameter."
+            )
+        data.copy_(gathered)
+
+    def _replaced_in_forward(self, slot: ParamSlot) -> RuntimeError:
+        return RuntimeError(
+            f"shardkit: {type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}') was replaced by a "
+            "new object while unsharded, e.g. `module.weight = nn.Parameter(...)` in forward. shardkit would "
+            "lose its gradient and keep training the old one. Change the parameter's data instead "
+            "(`module.to(dtype)` is followed), or use a plain tensor attribute for the copy."
+        )
+
+    def drop_post_forward_shard(self) -> None:
+        self.post_forward_shard = None
+
+    def drop_grads(self) -> None:
+        """Forget the gradients of a failed step (``reset_iter_state``)."""
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        self.accumulated_grad = None
 
     def accumulate_unreduced_grad(self) -> None:
         """Move the unsharded ``.grad`` aside (summed, in ``reduce_dtype``: bf16 sums of many
@@ -326,3 +452,9 @@ class ShardedParam:
         else:
             grad._local_tensor.add_(local_grad)
 
+
+def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether ``padded`` still holds ``local``'s data (an empty local shard has no pointer)."""
+    if padded.device != local.device or padded.dtype != local.dtype:
+        return False
+    return local.numel() == 0 or padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()

@@ -13,7 +13,7 @@ import shardkit
 from shardkit import FSDPModule, fully_shard
 from shardkit.comm import collectives, sim
 from shardkit.comm.streams import Handle
-from shardkit.lockstep import LockstepSchedule
+from shardkit.lockstep import Lockstep
 from shardkit.param_group import Storage
 from tests.conftest import TanhStack, fake_world
 from tests.gloo.extension_tensors import UserComm
@@ -97,7 +97,7 @@ def test_set_lockstep_before_the_first_forward():
         net.set_lockstep(True)
         first_step(net)
         t = first_step(net)  # a second step: prefetching would gather ahead by now
-    assert isinstance(net._shardkit().schedule, LockstepSchedule)
+    assert isinstance(net._shardkit().schedule.collectives, Lockstep)
     lines = [str(e) for e in t.events if e.kind in ("all_gather", "phase") and "finalize" not in e.detail]
     for block in ("blocks.0", "blocks.1", "blocks.2"):  # gathered when its forward starts, not before
         i = lines.index(f"phase {block} pre_forward: IDLE -> FORWARD")
@@ -287,7 +287,7 @@ def test_set_lockstep_after_the_first_forward_switches_the_schedule_between_step
         net = sharded(mesh)
         first_step(net)
         net.set_lockstep(True)
-        assert isinstance(net._shardkit().schedule, LockstepSchedule)
+        assert isinstance(net._shardkit().schedule.collectives, Lockstep)
         locked = first_step(net)
         net.set_lockstep(False)
         assert type(net._shardkit().schedule).__name__ == "Schedule"
@@ -311,13 +311,13 @@ def reduce_ops_and_divisions(net: nn.Module, monkeypatch, build_step) -> tuple[s
         return original(output, input, op=op, **kwargs)
 
     monkeypatch.setattr(collectives, "_reduce_scatter_single", recording)
-    real_finish = collectives.finish_reduce_scatter
+    real_finish = collectives.Reduction.finish
 
     def finish(pending, keep=True):
         divisors.add(pending.divide_by)
         return real_finish(pending, keep)
 
-    monkeypatch.setattr(collectives, "finish_reduce_scatter", finish)
+    monkeypatch.setattr(collectives.Reduction, "finish", finish)
     build_step(net)
     return ops, divisors
 

@@ -1,7 +1,6 @@
 import pytest
 from expecttest import assert_expected_inline
 
-from shardkit.lockstep import LockstepSchedule
 from shardkit.schedule import Schedule
 from shardkit.state import RULES, Action, Event, IllegalTransition, Phase, render_rules, rule_for
 
@@ -38,9 +37,8 @@ def test_every_phase_returns_to_idle_on_finalize_and_reset(event):
 
 
 def test_every_action_is_a_schedule_method_and_every_action_is_used():
-    for cls in (Schedule, LockstepSchedule):
-        for action in Action:
-            assert callable(getattr(cls, action.value, None)), f"{cls.__name__} has no action {action.value}"
+    for action in Action:
+        assert callable(getattr(Schedule, action.value, None)), f"Schedule has no action {action.value}"
     used = {a for rule in RULES.values() for a in rule.actions}
     assert used == set(Action)
 
