@@ -45,11 +45,11 @@ class StateView:
     def _comm_ctx(self) -> Any:
         """Which roots share a communication context (torch 2.15's pipelining tells stages apart
         by its identity); shardkit's streams are one set per device whatever it is."""
-        return self._state.root.comm_ctx
+        return self._state.shared.comm_ctx
 
     @_comm_ctx.setter
     def _comm_ctx(self, ctx: Any) -> None:  # torch's share_comm_ctx
-        self._state.root.comm_ctx = ctx
+        self._state.shared.comm_ctx = ctx
 
     @property
     def _fsdp_param_groups(self) -> list["GroupView"]:

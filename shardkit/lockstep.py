@@ -49,14 +49,14 @@ class Lockstep(Direct):
             return
         if not self._acting:
             self._agree(2 * self.states.index(state) + GATHER if state.group.needs_all_gather() else NOTHING)
-        self.schedule.gather_now(state)  # registers data this rank already held, if nobody gathered
+        super().gather(state)  # registers data this rank already held, if nobody gathered
 
     def prefetch(self, target: GroupState, backward: bool) -> None:
         pass  # every all-gather is agreed on at the moment it is needed
 
     def reduce(self, state: GroupState, reshard: bool) -> None:
         if self._acting:
-            return self.schedule.reduce_now(state, reshard)
+            return super().reduce(state, reshard)
         self._agree(2 * self.states.index(state) + REDUCE, own=(state, reshard))
 
     def pass_ends(self) -> None:
@@ -74,7 +74,7 @@ class Lockstep(Direct):
                 if kind == GATHER:
                     self._stand_in_gather(state, keep=t == token or state.group.is_unsharded)
                 elif t == token:
-                    self.schedule.reduce_now(*own)
+                    super().reduce(*own)
                 else:
                     self._stand_in_reduce(state)
         finally:
@@ -97,13 +97,13 @@ class Lockstep(Direct):
         if state.step.phase is Phase.IDLE:
             self.schedule.fire(state, Event.POST_BACKWARD)  # its reduce acts at once: we are acting
         else:
-            self.schedule.reduce_now(state, reshard=state.step.phase is not Phase.PRE_BACKWARD)
+            super().reduce(state, reshard=state.step.phase is not Phase.PRE_BACKWARD)
 
     def _exchange(self, token: int) -> list[int]:
-        group, world = self.tokens
+        pg, world = self.tokens
         mine = torch.tensor([token], dtype=torch.int64, device=self.device)
         every = mine.new_empty(world)
-        work = _all_gather_single(every, mine, group=group)
+        work = _all_gather_single(every, mine, group=pg)
         if work is not None:
             work.wait()
         return every.tolist()

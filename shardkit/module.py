@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from shardkit import fsdp2_view, hooks, root
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
-from shardkit.state import GroupState, is_root, state_of
+from shardkit.state import GroupState, state_of, under_another_root
 
 
 class FSDPModule(_TorchFSDPModule):
@@ -99,9 +99,9 @@ class FSDPModule(_TorchFSDPModule):
         blocking all-gather per collective and turns prefetching off. Call on the root.
         See shardkit/lockstep.py."""
         state = self._shardkit()
-        if is_root(state) is False:
+        if under_another_root(state):
             raise RuntimeError("set_lockstep must be called on the root FSDP module")
-        root.set_lockstep(state.root, enabled)
+        root.set_lockstep(state.shared, enabled)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in _states(self, recurse):
@@ -110,7 +110,7 @@ class FSDPModule(_TorchFSDPModule):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last one of the step (for microbatching): only the
         last one forgets the forward order that backward prefetching follows. Call on the root."""
-        self._shardkit().root.options.is_last_backward = is_last_backward
+        self._shardkit().shared.options.is_last_backward = is_last_backward
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """FSDP2's (torch 2.15): keep the unsharded storage across reshard and unshard (its
@@ -126,9 +126,9 @@ class FSDPModule(_TorchFSDPModule):
         accumulated); the end of each backward then no longer counts as the step's last
         (``set_is_last_backward``). Call on the root."""
         state = self._shardkit()
-        if is_root(state) is False:
+        if under_another_root(state):
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
-        state.root.options.manual_finalization = enabled
+        state.shared.options.manual_finalization = enabled
 
     def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """FSDP2's (torch 2.15): end the step's backward: issue the reductions of the gradients
@@ -172,7 +172,7 @@ class FSDPModule(_TorchFSDPModule):
         """The next forward's all-gathers wait for ``event`` (recorded after the optimizer
         step), which is then dropped: set a new one each step. shardkit's all-gathers also wait
         for the compute stream, which the optimizer step ran on, so this adds no overlap."""
-        self._shardkit().root.options.post_optim_event = event
+        self._shardkit().shared.options.post_optim_event = event
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each reduced gradient buffer of this group (this rank's flat
@@ -239,7 +239,7 @@ class FSDPModule(_TorchFSDPModule):
         """After an exception inside forward or backward: reshard everything and return every
         group to IDLE; the failed step's gradients are dropped. Call on the root."""
         state = self._shardkit()
-        if is_root(state) is False:
+        if under_another_root(state):
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         if state.schedule is not None:
             state.schedule.reset()
@@ -311,7 +311,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"share_comm_ctx expects a list of modules fully_shard was applied to, got {type(module).__name__}: {module}")
     for module in modules[1:]:  # one context object: what torch's pipelining compares
-        module._shardkit().root.comm_ctx = modules[0]._shardkit().root.comm_ctx
+        module._shardkit().shared.comm_ctx = modules[0]._shardkit().shared.comm_ctx
 
 
 _warned: set[str] = set()

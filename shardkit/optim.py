@@ -36,7 +36,7 @@ _ELEMENTWISE = tuple(
     if hasattr(torch.optim, name)
 )
 
-# optimizer -> what its pre-step hook swapped: [(group, dtensor params), ...], [(param, local, state)]
+# optimizer -> what its pre-step hook swapped: [(optimizer param group, dtensor params), ...], [(param, local, state)]
 _swapped: dict[int, tuple[list, list]] = {}
 _installed = False
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers looked at once
@@ -61,7 +61,7 @@ def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> N
     # Only for the groups whose parameters this optimizer holds: under torch's threaded process
     # group every rank's groups live in this process, and another rank's step must not make
     # this rank gather again (an all-gather the other ranks do not issue: a hang).
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = {id(p) for opt_group in optimizer.param_groups for p in opt_group["params"]}
     for group in list(groups):
         if group.initialized and any(id(p.sharded_param) in held for p in group.params):
             group.gathered_version = None
@@ -73,7 +73,7 @@ def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kw
     if optimizer in _checked:
         return
     _checked.add(optimizer)
-    replaced = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_shardkit_replaced")]
+    replaced = [p for opt_group in optimizer.param_groups for p in opt_group["params"] if hasattr(p, "_shardkit_replaced")]
     if replaced:
         warnings.warn(
             f"shardkit: this {type(optimizer).__name__} holds {len(replaced)} parameters that fully_shard has "
@@ -91,10 +91,10 @@ def _to_local(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if type(optimizer) not in _ELEMENTWISE:
         return
     _to_dtensor(optimizer, args, kwargs)  # a step that raised left its swap in place
-    groups, params = [], []
+    opt_groups, params = [], []
     state = optimizer.state
-    for group in optimizer.param_groups:
-        originals = group["params"]
+    for opt_group in optimizer.param_groups:
+        originals = opt_group["params"]
         if not any(_owned(p) for p in originals):
             continue
         local_params = []
@@ -109,19 +109,19 @@ def _to_local(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in p_state.items()}
             params.append((p, local, p_state))
             local_params.append(local)
-        groups.append((group, originals))
-        group["params"] = local_params
-    if groups:
-        _swapped[id(optimizer)] = (groups, params)
+        opt_groups.append((opt_group, originals))
+        opt_group["params"] = local_params
+    if opt_groups:
+        _swapped[id(optimizer)] = (opt_groups, params)
 
 
 def _to_dtensor(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     swapped = _swapped.pop(id(optimizer), None)
     if swapped is None:
         return
-    groups, params = swapped
-    for group, originals in groups:
-        group["params"] = originals
+    opt_groups, params = swapped
+    for opt_group, originals in opt_groups:
+        opt_group["params"] = originals
     state = optimizer.state
     for p, local, old in params:
         local.grad = None

@@ -1,6 +1,6 @@
 """ParamGroup: the parameters of one ``fully_shard`` call, unsharded and resharded together.
 
-Which parameters the modules hold is the group's ``Storage``, a state of its own, separate
+Which parameters the modules hold is the group's ``Holding``, a state of its own, separate
 from the training phase (``state.py``). Only ``unshard``, ``wait_for_unshard`` and
 ``reshard`` change it, whoever asks (the schedule, a prefetch, or the user through
 ``FSDPModule.unshard``):
@@ -44,7 +44,7 @@ from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.options import GroupOptions
 
 
-class Storage(enum.Enum):
+class Holding(enum.Enum):
     SHARDED = "sharded"  # the modules hold the sharded parameters; no unsharded data
     GATHERING = "gathering"  # an all-gather is issued; the modules still hold the sharded ones
     UNSHARDED = "unsharded"  # the modules hold the unsharded parameters
@@ -124,11 +124,11 @@ class ParamGroup:
         self.params = [p for part in parts for p in part.params]
         self.options = options  # shared with the group's state: the set_* knobs
         self.name = ""  # the owning modules' FQNs, set at lazy init
-        self.storage = Storage.SHARDED
+        self.holding = Holding.SHARDED
         self.initialized = False  # lazy init made the buffers and the collectives' layouts
         self.gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
-        self.gathering: list[PendingAllGather] = []  # issued, not yet waited for
-        self.reducing: list[Reduction] = []  # issued, not yet finished
+        self.all_gathers: list[PendingAllGather] = []  # issued, not yet waited for
+        self.reductions: list[Reduction] = []  # issued, not yet finished
         optim.install_once()
         optim.groups.add(self)  # an optimizer step makes gathered data stale
 
@@ -139,7 +139,7 @@ class ParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return self.storage is Storage.UNSHARDED
+        return self.holding is Holding.UNSHARDED
 
     def drop_post_forward_mesh(self) -> None:
         """``set_reshard_after_forward(bool)`` replaces an int: reshard to the whole mesh or not at all."""
@@ -165,11 +165,11 @@ class ParamGroup:
     def unshard(self) -> None:
         """Issue the all-gather (``wait_for_unshard`` finishes it); a no-op if one is issued
         or the kept data is still fresh."""
-        if self.storage is Storage.GATHERING:
+        if self.holding is Holding.GATHERING:
             return
-        if self.storage in (Storage.UNSHARDED, Storage.KEPT):
+        if self.holding in (Holding.UNSHARDED, Holding.KEPT):
             if self._fresh():
-                if self.storage is Storage.KEPT:
+                if self.holding is Holding.KEPT:
                     self._register_unsharded()
                 return
             self.reshard()  # the shards changed since we gathered: gather again
@@ -183,30 +183,30 @@ class ParamGroup:
             self.lazy_init()
         fresh = self._fresh()
         self.gathered_version = self._shard_version()
-        self.gathering = []
+        self.all_gathers = []
         for part in self.parts:  # one all-gather per mesh
             layout = part.layout
             if part.holds_post_forward and layout.post_forward is not None and fresh:
                 comm, bucket = layout.post_forward, layout.post_forward_bucket
             else:
                 comm, bucket = layout.comm, layout.all_gather
-            self.gathering.append(collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather))
+            self.all_gathers.append(collectives.all_gather(bucket, comm, self.name, self.options.custom_all_gather))
         self._drop_post_forward()  # the handles keep them until the all-gather is waited for
-        self.storage = Storage.GATHERING
+        self.holding = Holding.GATHERING
 
     def needs_all_gather(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
-        if self.storage is Storage.GATHERING:
+        if self.holding is Holding.GATHERING:
             return False
-        return not (self.storage in (Storage.UNSHARDED, Storage.KEPT) and self._fresh())
+        return not (self.holding in (Holding.UNSHARDED, Holding.KEPT) and self._fresh())
 
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
-        if self.storage is not Storage.GATHERING:
+        if self.holding is not Holding.GATHERING:
             return
-        for pending in self.gathering:
+        for pending in self.all_gathers:
             collectives.finish_all_gather(pending)
-        self.gathering = []
+        self.all_gathers = []
         self._register_unsharded()
 
     def reshard(self, free: bool = True) -> None:
@@ -220,22 +220,22 @@ class ParamGroup:
         parameter for the backward all-gather among R ranks, free the rest."""
         self.wait_for_unshard()
         kept = [part for part in self.parts if part.layout.post_forward is not None]
-        if self.storage is not Storage.SHARDED:
+        if self.holding is not Holding.SHARDED:
             for p in (p for part in kept for p in part.params):
                 p.keep_post_forward_shard()
         self._reshard(True, "(" + ", ".join(f"1/{part.layout.post_forward.world} kept" for part in kept) + ")")
 
     def _reshard(self, free: bool, detail: str) -> None:
         self.wait_for_unshard()
-        if self.storage is Storage.UNSHARDED:
+        if self.holding is Holding.UNSHARDED:
             for p in self.params:
                 p.to_sharded()
             trace.record("reshard", self.name, detail)
-            self.storage = Storage.KEPT
-        if free and self.storage is Storage.KEPT:
+            self.holding = Holding.KEPT
+        if free and self.holding is Holding.KEPT:
             for part in self.parts:
                 collectives.free_all_gather(part.layout.all_gather)
-            self.storage = Storage.SHARDED
+            self.holding = Holding.SHARDED
 
     def _drop_post_forward(self) -> None:
         for part in self.parts:
@@ -246,7 +246,7 @@ class ParamGroup:
     def _register_unsharded(self) -> None:
         for p in self.params:
             p.to_unsharded()
-        self.storage = Storage.UNSHARDED
+        self.holding = Holding.UNSHARDED
         trace.record("unshard", self.name)
 
     def _fresh(self) -> bool:
@@ -279,7 +279,7 @@ class ParamGroup:
                 if trainable:  # frozen parameters get no reduction
                     grads = [p.take_unsharded_grad() for p in trainable]
                     sub = bucket if len(trainable) == len(bucket.params) else bucket.subset(trainable)
-                    self.reducing.append(collectives.reduce_scatter(sub, grads, comm, self.name, self._reduction(part, sub)))
+                    self.reductions.append(collectives.reduce_scatter(sub, grads, comm, self.name, self._reduction(part, sub)))
 
     def holds_unreduced_grads(self) -> bool:
         """Gradients from backwards with gradient sync off, or from one whose reduction has
@@ -303,13 +303,13 @@ class ParamGroup:
     def reduce_done(self) -> bool:
         """Move the issued reductions on without blocking, in issue order (so every rank starts
         its HSDP all-reduces in the same order); whether all have completed."""
-        return all(r.done() for r in self.reducing)  # stops at the first not done
+        return all(r.done() for r in self.reductions)  # stops at the first not done
 
     def finish_reduce(self, keep: bool = True) -> None:
         """Wait for the issued reductions; give the results to ``.grad`` unless ``keep=False``."""
-        for pending in self.reducing:
+        for pending in self.reductions:
             pending.finish(keep)
-        self.reducing = []
+        self.reductions = []
 
     def reset_layout(self) -> None:
         """Forget buffer layouts after the parameters' dtype or device changed."""

@@ -14,14 +14,14 @@ import torch.nn as nn
 from shardkit.lockstep import Lockstep
 from shardkit.param_group import still_on_meta
 from shardkit.schedule import Direct, Schedule
-from shardkit.state import GroupState, Root, class_name, state_of
+from shardkit.state import GroupState, Shared, class_name, state_of
 
 
 def lazy_init(root: GroupState) -> Schedule:
     """Make ``root`` the root of every group below its module (its first forward)."""
     root_module = root.modules[0]
     _check_root(root)
-    shared = root.root  # keeps what was set on the root before its first forward
+    shared = root.shared  # keeps what was set on the root before its first forward
     states: list[GroupState] = []
     seen: set[GroupState] = set()
     for fqn, module in root_module.named_modules():
@@ -36,7 +36,7 @@ def lazy_init(root: GroupState) -> Schedule:
                 f"shardkit: the fully_shard module '{fqn}' already ran forward as its own root. "
                 "Run the first forward through the outermost fully_shard module."
             )
-        state.root, state.links.name = shared, fqn
+        state.shared, state.links.name = shared, fqn
         if state.options.reshard_after_forward is None:
             state.options.reshard_after_forward = state is not root
         states.append(state)
@@ -57,10 +57,10 @@ def lazy_init(root: GroupState) -> Schedule:
     return shared.schedule
 
 
-def set_lockstep(root: Root, enabled: bool) -> None:
+def set_lockstep(shared: Shared, enabled: bool) -> None:
     """Give the root's schedule the lockstep collectives strategy, or the direct one (between steps)."""
-    root.options.lockstep = enabled
-    schedule = root.schedule
+    shared.options.lockstep = enabled
+    schedule = shared.schedule
     if schedule is not None and isinstance(schedule.collectives, Lockstep) != enabled:  # else: at lazy init
         schedule.use(Lockstep(schedule) if enabled else Direct(schedule))
 

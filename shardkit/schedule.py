@@ -26,8 +26,8 @@ from torch.autograd import Variable
 
 from shardkit.comm import trace
 from shardkit.comm.streams import streams_for
-from shardkit.param_group import ParamGroup, Storage
-from shardkit.state import RULES, Event, GroupState, Phase, Root, rule_for
+from shardkit.param_group import ParamGroup, Holding
+from shardkit.state import RULES, Event, GroupState, Phase, Shared, rule_for
 from shardkit.tensors import on_input_grads, on_output_grads, to_device
 
 MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
@@ -61,27 +61,46 @@ class Direct:
         self.schedule = schedule
 
     def gather(self, state: GroupState) -> None:
-        self.schedule.gather_now(state)
+        """Unshard ``state``'s group and wait for it."""
+        if state.group is not None:
+            state.group.unshard()
+            state.group.wait_for_unshard()
 
     def prefetch(self, target: GroupState, backward: bool) -> None:
-        self.schedule.prefetch_now(target, backward)
+        """Issue ``target``'s all-gather early; its own hook waits for it."""
+        if target.group is not None and (target.options.unshard_in_backward or not backward):
+            target.group.unshard()
 
     def reduce(self, state: GroupState, reshard: bool) -> None:
-        self.schedule.reduce_now(state, reshard)
+        """Issue the group's reductions and reshard it; then finish, oldest first, the earlier
+        reductions that have completed meanwhile, and the oldest anyway while more than
+        MAX_REDUCING are in flight. (Polling goes in issue order: every rank starts its HSDP
+        all-reduces in the same order.)"""
+        group = state.group
+        group.reduce_gradients()
+        if state.tied.borrower_in(Phase.PRE_BACKWARD):
+            reshard = False  # that group's backward may still read the tied weights
+        if reshard and group.options.reshard_after_backward:
+            group.reshard()
+        reducing = self.schedule.groups_reducing
+        reducing.append(group)
+        limit = group.options.max_reducing or MAX_REDUCING  # set_reduce_scatter_max_input_buffers
+        while len(reducing) > limit or len(reducing) > 1 and reducing[0].reduce_done():
+            reducing.pop(0).finish_reduce()
 
     def pass_ends(self) -> None:
         """This rank's forward pass or backward is over."""
 
 
 class Schedule:
-    def __init__(self, states: list[GroupState], device: torch.device, root: Root) -> None:
+    def __init__(self, states: list[GroupState], device: torch.device, shared: Shared) -> None:
         self.states = states  # every group under the root, in module order: the root first
         self.device = device
-        self.root = root  # the step's options, shared by every state under the root
+        self.shared = shared  # the step's options, shared by every state under the root
         self.orders = Orders()
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
-        self.reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
+        self.groups_reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
         self.pins_host_memory = any(p.pin_memory for s in states if s.group for p in s.group.params)  # see finish_backward
         self.collectives: Direct = Direct(self)  # or lockstep.Lockstep: see use()
 
@@ -131,7 +150,7 @@ class Schedule:
         for state in reversed(self.states):  # backward order: blocks last-to-first, root last
             if state.step.phase in (Phase.IDLE, Phase.PRE_BACKWARD):
                 self.fire(state, Event.POST_BACKWARD)
-        options = self.root.options
+        options = self.shared.options
         self.finish_backward(last=options.is_last_backward and not options.manual_finalization)
 
     def finalize_backward(self) -> None:
@@ -148,9 +167,9 @@ class Schedule:
             if state.tied.take_deferred_reduce():  # the groups using its tied weights never ran backward
                 self.collectives.reduce(state, reshard=True)
         self.collectives.pass_ends()
-        for group in self.reducing:
+        for group in self.groups_reducing:
             group.finish_reduce()
-        self.reducing = []
+        self.groups_reducing = []
         if self.pins_host_memory:  # gradients copied to pinned host memory asynchronously
             streams_for(self.device).wait_host_copies()
         for state in self.states:
@@ -168,14 +187,14 @@ class Schedule:
         self.forward_root, self.in_backward = None, False
         self.orders.seen.clear()
         self.orders.post_forward.clear()
-        self.reducing = []
+        self.groups_reducing = []
 
     # Forward actions ---------------------------------------------------------------------------
     def open_pass(self, state: GroupState, call: Call) -> None:
         self.forward_root = state
         if self.device.type != "cpu":  # like DDP and FSDP2
             call.args, call.kwargs = to_device((call.args, call.kwargs), self.device)
-        event, self.root.options.post_optim_event = self.root.options.post_optim_event, None
+        event, self.shared.options.post_optim_event = self.shared.options.post_optim_event, None
         if event is not None:
             streams_for(self.device).all_gathers_wait_for(event)
 
@@ -234,7 +253,7 @@ class Schedule:
         for other in self.states:
             if other.step.phase is Phase.FORWARD:  # a group of several modules that ran in part
                 self.fire(other, Event.POST_FORWARD, call)
-            elif other.group is not None and other.group.storage is Storage.GATHERING:
+            elif other.group is not None and other.group.holding is Holding.GATHERING:
                 other.group.reshard()  # prefetched, then not run
         if state is self.states[0]:  # a pass of the whole model: its order is next step's prefetch order
             self.orders.forward = self.orders.seen
@@ -272,7 +291,7 @@ class Schedule:
 
     def end_step(self, state: GroupState, call: None) -> None:
         state.step.calls, state.step.to_run = 0, set()
-        if state.group is not None and state.group.storage is Storage.GATHERING:
+        if state.group is not None and state.group.holding is Holding.GATHERING:
             state.group.reshard()  # prefetched, then not used
 
     def drop_step(self, state: GroupState, call: None) -> None:
@@ -284,35 +303,6 @@ class Schedule:
             state.group.reshard()
             for p in state.group.params:
                 p.drop_grads()
-
-    # Collectives (what the collectives strategy calls; lockstep agrees on them first) -----------
-    def gather_now(self, state: GroupState) -> None:
-        """Unshard ``state``'s group and wait for it."""
-        if state.group is not None:
-            state.group.unshard()
-            state.group.wait_for_unshard()
-
-    def prefetch_now(self, target: GroupState, backward: bool) -> None:
-        """Issue ``target``'s all-gather early; its own hook waits for it."""
-        if target.group is not None and (target.options.unshard_in_backward or not backward):
-            target.group.unshard()
-
-    def reduce_now(self, state: GroupState, reshard: bool) -> None:
-        """Issue the group's reductions and reshard it; then finish, oldest first, the earlier
-        reductions that have completed meanwhile, and the oldest anyway while more than
-        MAX_REDUCING are in flight. (Polling goes in issue order: every rank starts its HSDP
-        all-reduces in the same order.)"""
-        group = state.group
-        group.reduce_gradients()
-        if state.tied.borrower_in(Phase.PRE_BACKWARD):
-            reshard = False  # that group's backward may still read the tied weights
-        if reshard and group.options.reshard_after_backward:
-            group.reshard()
-        reducing = self.reducing
-        reducing.append(group)
-        limit = group.options.max_reducing or MAX_REDUCING  # set_reduce_scatter_max_input_buffers
-        while len(reducing) > limit or len(reducing) > 1 and reducing[0].reduce_done():
-            reducing.pop(0).finish_reduce()
 
 
 # Autograd calls these during backward; they find the root's schedule through the state. Dynamo leaves the tensor hook out, as

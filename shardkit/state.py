@@ -10,7 +10,7 @@ cases in the hooks. ``render_rules()`` prints the table (pinned by a test and in
 docs/design.md).
 
 Whether a group's parameters are sharded or unsharded is a second, orthogonal state, the
-``ParamGroup``'s ``Storage`` (``param_group.py``), which only unshard / reshard change.
+``ParamGroup``'s ``Holding`` (``param_group.py``), which only unshard / reshard change.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def render_rules() -> str:
 
 # The per-group record ----------------------------------------------------------------------
 @dataclass
-class Root:
+class Shared:
     """What every group under one root shares: the step's options and the root's schedule.
     Each group has its own until the root's lazy init makes the root's the one they all share."""
 
@@ -222,7 +222,7 @@ class GroupState:
     options: GroupOptions
     mp_policy: MixedPrecisionPolicy
     device: torch.device
-    root: Root = field(default_factory=Root)
+    shared: Shared = field(default_factory=Shared)
     links: Links = field(default_factory=Links)
     tied: Tied = field(default_factory=Tied)
     step: Step = field(default_factory=Step)
@@ -233,7 +233,7 @@ class GroupState:
 
     @property
     def schedule(self) -> Any:
-        return self.root.schedule
+        return self.shared.schedule
 
     def __repr__(self) -> str:
         return f"GroupState({self.name or '<root>'!r}, {self.step.phase.value})"
@@ -249,7 +249,8 @@ def class_name(module: nn.Module) -> str:
     return cls.__mro__[cls._orig_cls_mro_index].__name__ if state_of(module) is not None else cls.__name__
 
 
-def is_root(state: GroupState) -> bool | None:
-    """Whether ``state`` is the root of its tree (None before the first forward)."""
-    schedule = state.root.schedule
-    return None if schedule is None else schedule.states[0] is state
+def under_another_root(state: GroupState) -> bool:
+    """Whether lazy init made another group the root of ``state``'s tree (before the first
+    forward, any group may still become a root)."""
+    schedule = state.shared.schedule
+    return schedule is not None and schedule.states[0] is not state

@@ -141,21 +141,12 @@ class GatherBucket:
 
     def alloc_outputs(self, inputs: list[torch.Tensor]) -> None:
         """Make room for the all-gather's output where copy-out puts it: each parameter's
-        unsharded buffer (``free_outputs`` let it go), or the outputs its hooks ask for."""
-        if not self.hooked:
-            for p in self.params:
-                p.alloc_unsharded_storage()
-            return
+        unsharded buffer (``free_all_gather`` let it go), or the outputs its hooks ask for."""
         for p in self.params:
             if p.extension is None:
                 p.alloc_unsharded_storage()
             else:
                 p.extension.alloc_outputs([x for x, owner in zip(inputs, self.owners) if owner is p], self.world, p.device)
-
-    def free_outputs(self) -> None:
-        """Give the unsharded buffers' memory back (at reshard)."""
-        for p in self.params:
-            p.free_unsharded()
 
     def copy_in(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         """The inputs end to end in the bucket's dtype on the compute device, ``(per_rank,)``: a

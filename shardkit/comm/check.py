@@ -35,14 +35,14 @@ def check_collectives(enabled: bool = True) -> None:
     _enabled = enabled
 
 
-def before(group: dist.ProcessGroup, kind: str, name: str, dtype: torch.dtype, numel: int, world: int) -> None:
+def before(pg: dist.ProcessGroup, kind: str, name: str, dtype: torch.dtype, numel: int, world: int) -> None:
     """Record the collective about to be issued; in check mode, compare it across ranks."""
     _recent.append((kind, name, dtype, numel, world))  # formatted only if ever shown
     if not _enabled:
         return
     fingerprint = (kind, name or "<root>", str(dtype).removeprefix("torch."), numel, world)
     every: list = [None] * world
-    dist.all_gather_object(every, fingerprint, group=group)
+    dist.all_gather_object(every, fingerprint, group=pg)
     if any(f != fingerprint for f in every):
         sides = "\n".join(f"  rank {r}: {_describe(f)}" for r, f in enumerate(every))
         raise CollectiveMismatch(

@@ -47,9 +47,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class Comm:
     """Where a group's collectives go: fixed when the group is made, so no per-step lookups."""
 
-    group: dist.ProcessGroup
+    process_group: dist.ProcessGroup
     world: int
-    rank: int  # this rank's index in ``group``
+    rank: int  # this rank's index in ``process_group``
     streams: Streams
     gloo: bool  # its reduce_scatter is slow: reductions go another way (see reduce_scatter)
     mesh_dim: str  # the mesh dimension's name, for the trace
@@ -58,25 +58,25 @@ class Comm:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None, separate: bool = False) -> "Comm":
-        group = mesh.get_group(dim)
+        pg = mesh.get_group(dim)
         if separate:  # a second process group over the same ranks, one per process group
-            if group not in _separate_groups:  # (dropped with it: weakly keyed)
-                _separate_groups[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
-            group = _separate_groups[group]
-        gloo, averages, at_once = backend_of(group)
+            if pg not in _separate_groups:  # (dropped with it: weakly keyed)
+                _separate_groups[pg] = dist.new_group(dist.get_process_group_ranks(pg), use_local_synchronization=True)
+            pg = _separate_groups[pg]
+        gloo, averages, at_once = backend_of(pg)
         if name is None:
             name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
-        world = dist.get_world_size(group)
-        return cls(group, world, dist.get_rank(group), streams, gloo, name, averages and world > 1, at_once)
+        world = dist.get_world_size(pg)
+        return cls(pg, world, dist.get_rank(pg), streams, gloo, name, averages and world > 1, at_once)
 
 
-def backend_of(group: dist.ProcessGroup) -> tuple[bool, bool, bool]:
+def backend_of(pg: dist.ProcessGroup) -> tuple[bool, bool, bool]:
     """What the collectives need to know of a process group's backend: (gloo: its
     reduce-scatter is slow; it averages with ReduceOp.AVG; its work is done once issued). The
     one place that knows torch's fake process group (tests at any world size in one process):
     it stands in for NCCL, so it averages as NCCL does, and its work never says
     ``is_completed()``, though its future is done at once."""
-    backend = str(dist.get_backend(group))
+    backend = str(dist.get_backend(pg))
     return backend == "gloo", backend in ("nccl", "fake"), backend == "fake"
 
 
@@ -105,19 +105,18 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> Pend
     inputs = bucket.inputs()
     bucket.alloc_outputs(inputs)
     numel = comm.world * bucket.per_rank
-    traced = None  # (no keyword arguments packed per call unless a trace records)
-    if trace.is_recording():
-        traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim)
-    check.before(comm.group, "all_gather", name, bucket.dtype, numel, comm.world)
+    # (no keyword arguments packed per call unless a trace records)
+    traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim) if trace.is_recording() else None
+    check.before(comm.process_group, "all_gather", name, bucket.dtype, numel, comm.world)
 
     def launch(async_op: bool):
         send = bucket.copy_in(inputs)  # (per_rank,)
         if custom is not None:
             output = custom.allocate((numel,), dtype=bucket.dtype, device=send.device)
-            work = custom(output_tensor=output, input_tensor=send, group=comm.group, async_op=async_op)
+            work = custom(output_tensor=output, input_tensor=send, group=comm.process_group, async_op=async_op)
             return work, {"input": send, "output": output}
         output = bucket.columns[0].view(-1) if bucket.in_place else send.new_empty(numel)  # (world * per_rank,)
-        work = _all_gather_single(output, send, group=comm.group, async_op=async_op)
+        work = _all_gather_single(output, send, group=comm.process_group, async_op=async_op)
         return work, {"input": send, "output": output}
 
     handle = comm.streams.issue(Collective("all_gather", name, traced, comm.at_once), {"shards": inputs}, launch)
@@ -134,7 +133,8 @@ def finish_all_gather(pending: PendingAllGather) -> None:
 
 def free_all_gather(bucket: GatherBucket) -> None:
     """Let the all-gather's output go (reshard; the next ``all_gather`` makes room again)."""
-    bucket.free_outputs()
+    for p in bucket.params:
+        p.free_unsharded()
 
 
 # Reduce-scatter ----------------------------------------------------------------------------
@@ -151,11 +151,6 @@ class ReduceSettings:
     force_sum: bool = False  # set_force_sum_reduction_for_comms: ReduceOp.SUM, then divide
     user_factor: bool = False  # divide_by is set_gradient_divide_factor's (FSDP2 picks other ops for it)
 
-    @property
-    def plain(self) -> bool:
-        """Nothing but the reduction over the shard dim: no user's collective, hook or HSDP."""
-        return self.custom is None and self.hook is None and self.replicate is None and self.keep_partial is None and self.partial is None
-
 
 def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, settings: ReduceSettings) -> "Reduction":
     """Issue one reduction of the bucket's unsharded grads (None where this rank has none), by
@@ -164,8 +159,9 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     all-reduce (twice the bytes); or the user's reduce-scatter."""
     if settings.custom is not None:
         route = UserReduceScatter
-    elif comm.gloo:
-        route = AllToAllSum if settings.plain else AllReduceRow
+    elif comm.gloo:  # an all-to-all over the shard dim alone: no hook, no HSDP
+        plain = settings.hook is None and settings.replicate is None and settings.keep_partial is None and settings.partial is None
+        route = AllToAllSum if plain else AllReduceRow
     else:
         route = ReduceScatter
     return route(bucket, grads, comm, name, settings)
@@ -174,8 +170,9 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
 class Reduction:
     """One issued reduction of a bucket's gradients, in the bucket's dtype (``reduce_dtype``),
     divided by ``settings.divide_by``; ``finish`` hands each parameter its rows as ``.grad``.
-    The subclasses are the routes: each has its own collective (``_launch``) and reads its own
-    result back (``_reduced``).
+    The subclasses are the routes: each has its own collective (``_launch(send, op, async_op)``
+    on ``send`` ``(world, per_rank + n)``, returning the work, its output and its input) and
+    reads its own result back (``_reduced``).
 
     In a dtype with little range (fp16) part of the division comes before the sum, so that the
     sum of ``world`` gradients cannot overflow (FSDP2's pre/post factors). With
@@ -192,10 +189,8 @@ class Reduction:
         pre, self.divide_by, op, replicate_op = _reduce_ops(comm, settings, bucket.dtype)
         self.averaged_over = comm.world if op == dist.ReduceOp.AVG else 1  # 1: the chunk holds sums
         numel = comm.world * (bucket.per_rank + len(bucket.params))
-        traced = None
-        if trace.is_recording():
-            traced = trace.record("reduce_scatter", name, self.via, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim, op=_op_name(op), divide_by=self.divide_by)
-        check.before(comm.group, "reduce_scatter", name, bucket.dtype, numel, comm.world)
+        traced = trace.record("reduce_scatter", name, self.via, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim, op=_op_name(op), divide_by=self.divide_by) if trace.is_recording() else None
+        check.before(comm.process_group, "reduce_scatter", name, bucket.dtype, numel, comm.world)
 
         def launch(async_op: bool):
             send = bucket.copy_in(grads, self.missing)  # (world, per_rank + n)
@@ -209,10 +204,6 @@ class Reduction:
         self.handles = [handle]  # the reduction, then (HSDP) what continues it over the replicas
         if settings.partial is not None or settings.replicate is not None and settings.keep_partial is None:
             self.handles.append(_over_replicas(handle, self.chunk, comm.streams, name, settings, replicate_op, self.averaged_over))
-
-    def _launch(self, send: torch.Tensor, op, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Start the collective on ``send`` ``(world, per_rank + n)``: (work, its output, its input)."""
-        raise NotImplementedError
 
     def _reduced(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's reduced rows ``(per_rank,)`` and the summed presence columns ``(n,)``."""
@@ -254,7 +245,7 @@ class ReduceScatter(Reduction):
 
     def _launch(self, send, op, async_op):
         chunk = send.new_empty(self.bucket.per_rank + len(self.bucket.params))
-        return _reduce_scatter_single(chunk, send.view(-1), op=op, group=self.comm.group, async_op=async_op), chunk, send
+        return _reduce_scatter_single(chunk, send.view(-1), op=op, group=self.comm.process_group, async_op=async_op), chunk, send
 
 
 class AllToAllSum(Reduction):
@@ -264,7 +255,7 @@ class AllToAllSum(Reduction):
 
     def _launch(self, send, op, async_op):
         chunk = torch.empty_like(send)  # row r: rank r's rows for this rank
-        return dist.all_to_all_single(chunk, send, group=self.comm.group, async_op=async_op), chunk, send
+        return dist.all_to_all_single(chunk, send, group=self.comm.process_group, async_op=async_op), chunk, send
 
     def _reduced(self):
         chunk, per_rank = self.chunk, self.bucket.per_rank  # (world, per_rank + n)
@@ -277,7 +268,7 @@ class AllReduceRow(Reduction):
     via = "via all_reduce"
 
     def _launch(self, send, op, async_op):
-        work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.comm.group, async_op=async_op)
+        work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.comm.process_group, async_op=async_op)
         return work, send[self.comm.rank], send  # (per_rank + n,)
 
     def _divide(self, reduced):
@@ -292,7 +283,7 @@ class UserReduceScatter(Reduction):
         buffer = custom.allocate((send.numel(),), dtype=send.dtype, device=send.device)
         buffer.copy_(send.view(-1))
         chunk = custom.allocate((self.bucket.per_rank + len(self.bucket.params),), dtype=send.dtype, device=send.device)
-        work = custom(output_tensor=chunk, input_tensor=buffer, group=self.comm.group, op=op, async_op=async_op)
+        work = custom(output_tensor=chunk, input_tensor=buffer, group=self.comm.process_group, op=op, async_op=async_op)
         return work, chunk, buffer
 
 
@@ -327,9 +318,7 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
     """HSDP, once the reduce-scatter is done: add the sums kept from reductions without an
     all-reduce, then all-reduce the chunk over the replicas (unless it is kept instead)."""
     replicate = how.replicate if how.keep_partial is None else None
-    traced = None
-    if replicate is not None:
-        traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim, op=_op_name(op))
+    traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim, op=_op_name(op)) if replicate is not None else None
 
     def launch(async_op: bool):
         if how.partial is not None:  # in the units of this chunk (sums, or averages over the shard dim)
@@ -337,8 +326,8 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
             chunk.add_(partial, alpha=partial_over / averaged_over)
         if replicate is None:
             return None, {}
-        check.before(replicate.group, "all_reduce", name, chunk.dtype, chunk.numel(), replicate.world)
-        work = dist.all_reduce(chunk, op=op, group=replicate.group, async_op=async_op)
+        check.before(replicate.process_group, "all_reduce", name, chunk.dtype, chunk.numel(), replicate.world)
+        work = dist.all_reduce(chunk, op=op, group=replicate.process_group, async_op=async_op)
         return work, {}
 
     inputs = {"buffer": chunk, "partial sums": how.partial[0] if how.partial is not None else None}

@@ -159,7 +159,7 @@ class Checker(TorchDispatchMode):
             for t in value if isinstance(value, list) else [value]:
                 buffer = self.ledger.buffer(t, self.current) if t is not None else None
                 if buffer is not None:
-                    buffer.label = f"the {name} of {what.kind} {what.group or '<root>'}"
+                    buffer.label = f"the {name} of {what.kind} {what.group_name or '<root>'}"
 
     def summary(self) -> str:
         return f"sim streams: {self.accesses} accesses checked, {self.edges} cross-stream edges, {self.races} races"

@@ -60,8 +60,8 @@ class Collective:
     """What is issued, for the trace, the profiler and the checker's errors."""
 
     kind: str  # all_gather, reduce_scatter, all_reduce: the side stream it runs on
-    group: str  # the group's name
-    traced: trace.Event | None = None  # while a trace records
+    group_name: str
+    traced: trace.Record | None = None  # while a trace records
     at_once: bool = False  # its backend's work is done once issued, whatever is_completed() says
 
 
@@ -102,7 +102,7 @@ class Streams:
 
     def _start(self, handle: Handle, launch: Launch) -> None:
         what = handle.what
-        with trace.label(what.kind, what.group):
+        with trace.label(what.kind, what.group_name):
             handle.done, made = launch(True)
         handle.buffers.update(made)
         trace.on_completion(what.traced, handle.done)
@@ -133,7 +133,7 @@ class Streams:
     def _block(self, handle: Handle) -> None:
         if handle.done is None:
             return
-        with trace.label(f"wait_{handle.what.kind}", handle.what.group):
+        with trace.label(f"wait_{handle.what.kind}", handle.what.group_name):
             try:
                 handle.done.wait()
             except Exception as exc:  # a timeout or a dead peer: say what this rank had issued
@@ -169,7 +169,7 @@ class DeviceStreams(Streams):
         stream.wait_stream(self.api.current_stream(self.device))  # see the Note
         if after is not None and after.done is not None:
             stream.wait_event(after.done)
-        with self.api.stream(stream), trace.label(what.kind, what.group):
+        with self.api.stream(stream), trace.label(what.kind, what.group_name):
             _, made = launch(False)  # synchronous on the side stream: NCCL orders it there
             handle.done = stream.record_event()
             if what.traced is not None:
@@ -187,7 +187,7 @@ class DeviceStreams(Streams):
         if traced is not None:  # exposed time: from when the compute stream gets here
             traced.wait_at = self._device_now()
         if handle.done is not None:
-            with trace.label(f"wait_{handle.what.kind}", handle.what.group):
+            with trace.label(f"wait_{handle.what.kind}", handle.what.group_name):
                 self.api.current_stream(self.device).wait_event(handle.done)
         handle.done, handle.buffers = None, {}
 

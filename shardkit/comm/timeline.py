@@ -36,7 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardkit.comm import trace
-from shardkit.comm.trace import COLLECTIVES, Event, Trace
+from shardkit.comm.trace import COLLECTIVES, Record, Trace
 
 COMPUTE = "compute"
 
@@ -116,7 +116,7 @@ def _wall(t: Trace, ns: int) -> int:
     return t.start_wall_ns + (ns - t.start_ns)
 
 
-def _phase(e: Event, open_spans: dict, emit) -> None:
+def _phase(e: Record, open_spans: dict, emit) -> None:
     """Open or close a group's forward/backward span when it enters or leaves FORWARD or
     PRE_BACKWARD (recomputation under activation checkpointing stays inside the backward span)."""
     old, new = e.detail.split(": ")[1].split(" -> ")
@@ -127,7 +127,7 @@ def _phase(e: Event, open_spans: dict, emit) -> None:
             open_spans[(e.group, what)] = e.t
 
 
-def _close(e: Event, what: str, open_spans: dict, emit) -> None:
+def _close(e: Record, what: str, open_spans: dict, emit) -> None:
     start = open_spans.pop((e.group, what), None)
     if start is not None:
         emit(f"{what} {e.group or '<root>'}", start, e.t, e.group)

@@ -38,7 +38,7 @@ MAX_EVENTS = 1_000_000  # per trace; later events are counted in ``Trace.dropped
 
 
 @dataclass(slots=True)
-class Event:
+class Record:
     """One thing that happened: a phase change, an unshard/reshard, or a collective."""
 
     kind: str  # "phase", "unshard", "reshard", "wait", or one of COLLECTIVES
@@ -92,14 +92,14 @@ class Trace:
     """Events recorded while this trace was active, in order, on one rank."""
 
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        self.events: list[Record] = []
         self.dropped = 0  # events past MAX_EVENTS
         self.rank: int | None = dist.get_rank() if dist.is_initialized() else None  # else at the first event
         # perf_counter is per machine; the wall clock lines ranks on several machines up.
         self.start_ns = time.perf_counter_ns()
         self.start_wall_ns = time.time_ns()
 
-    def collectives(self, kind: str | None = None) -> list[Event]:
+    def collectives(self, kind: str | None = None) -> list[Record]:
         wanted = (kind,) if kind else COLLECTIVES
         return [e for e in self.events if e.kind in wanted]
 
@@ -164,12 +164,12 @@ class Trace:
 _active: list[Trace] = []
 
 
-def record(kind: str, group: str, detail: str = "", **collective) -> Event | None:
+def record(kind: str, group: str, detail: str = "", **collective) -> Record | None:
     """Append an event to every active trace, and return it (None when none is active: then
     recording is free)."""
     if not _active:
         return None
-    event = Event(kind, group, detail, t=time.perf_counter_ns(), **collective)
+    event = Record(kind, group, detail, t=time.perf_counter_ns(), **collective)
     for t in _active:
         if t.rank is None and dist.is_initialized():
             t.rank = dist.get_rank()
@@ -184,14 +184,14 @@ def is_recording() -> bool:
     return bool(_active)
 
 
-def waiting(event: Event | None) -> None:
+def waiting(event: Record | None) -> None:
     """The runtime starts waiting for the collective of ``event``: a ``wait`` line, and its time."""
     if event is not None:
         event.wait_ns = time.perf_counter_ns()
         record("wait", event.group, event.kind)
 
 
-def done(event: Event | None) -> None:
+def done(event: Record | None) -> None:
     """The collective of ``event`` has completed (the earliest report wins: a completion
     callback, or the wait returning)."""
     if event is not None:
@@ -199,7 +199,7 @@ def done(event: Event | None) -> None:
         event.done_ns = min(event.done_ns, now) if event.done_ns else now
 
 
-def on_completion(event: Event | None, work) -> None:
+def on_completion(event: Record | None, work) -> None:
     """CPU: note when the process group completes ``work`` (its future's callback runs on
     the communication thread), so the timeline shows when data arrived, not when a hook
     asked for it. Some work (gloo's older collectives, a user's) has no future: then the

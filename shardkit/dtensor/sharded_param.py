@@ -163,7 +163,7 @@ class ShardedParam:
     def copy_out(self, gathered: torch.Tensor) -> None:
         """The gathered padded shards, rank-major ``(world, shard_numel)``, of a parameter split
         along a dim other than 0 into the unsharded buffer: rank r's rows go to the r-th block of
-        that dim. (Along dim 0 the layouts are the same bytes: ``_copy_out`` copies them whole.)"""
+        that dim. (Along dim 0 the layouts are the same bytes: ``GatherBucket.copy_out`` copies them whole.)"""
         d = self.dim
         target = self.unsharded_padded.view(*self.shape[:d], self.world, self.padded_rows, *self.shape[d + 1 :])
         target.copy_(gathered.view(self.world, *self.padded_shape).movedim(0, d))

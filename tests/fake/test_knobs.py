@@ -14,7 +14,7 @@ from shardkit import FSDPModule, fully_shard
 from shardkit.comm import collectives, sim
 from shardkit.comm.streams import Handle
 from shardkit.lockstep import Lockstep
-from shardkit.param_group import Storage
+from shardkit.param_group import Holding
 from tests.conftest import TanhStack, fake_world
 from tests.gloo.extension_tensors import UserComm
 
@@ -109,7 +109,7 @@ def test_set_reshard_after_backward_before_the_first_forward():
         net = sharded(mesh)
         net.set_reshard_after_backward(False)
         first_step(net)
-    assert all(m._shardkit().group.storage is Storage.UNSHARDED for m in (net, *net.blocks))
+    assert all(m._shardkit().group.holding is Holding.UNSHARDED for m in (net, *net.blocks))
 
 
 def test_set_is_last_backward_before_the_first_forward():
@@ -178,7 +178,7 @@ def test_set_post_optim_event_before_the_first_forward():
         with_event = checker.edges
         first_step(net)
         without = checker.edges - with_event
-    assert net._shardkit().root.options.post_optim_event is None  # waited for once, then dropped
+    assert net._shardkit().shared.options.post_optim_event is None  # waited for once, then dropped
     assert with_event == without + 1  # the all-gather stream waited for the event
 
 
@@ -255,7 +255,7 @@ def test_set_separate_reduce_scatter_group_before_the_first_forward():
         net.blocks[0].set_separate_reduce_scatter_group()
         t = first_step(net)
         group = net.blocks[0]._shardkit().group
-        separate, default = group.parts[0].layout.separate.group, group.parts[0].layout.comm.group
+        separate, default = group.parts[0].layout.separate.process_group, group.parts[0].layout.comm.process_group
         assert separate is not default and torch.distributed.get_process_group_ranks(separate) == [0, 1, 2, 3]
         assert net.blocks[1]._shardkit().group.parts[0].layout.separate is None  # not recursive to siblings
     assert calls(t, "reduce_scatter") == Counter({"blocks.2": 1, "blocks.1": 1, "blocks.0": 1, "": 1})

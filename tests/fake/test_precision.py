@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import shardkit
 from shardkit import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from shardkit.param_group import Storage
+from shardkit.param_group import Holding
 from tests.conftest import TanhStack, fake_world
 
 BF16 = torch.bfloat16
@@ -177,7 +177,7 @@ def test_reshard_after_forward_int_without_grad_frees_everything():
         with torch.no_grad():
             net(torch.randn(2, 16))
         group = net.blocks[0]._shardkit().group
-        assert not any(part.holds_post_forward for part in group.parts) and group.storage is Storage.SHARDED
+        assert not any(part.holds_post_forward for part in group.parts) and group.holding is Holding.SHARDED
 
 
 def test_set_reshard_after_forward_bool_replaces_the_int():

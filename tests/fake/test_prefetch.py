@@ -7,7 +7,7 @@ from expecttest import assert_expected_inline
 import shardkit
 from shardkit import fully_shard
 from shardkit.comm.streams import Handle
-from shardkit.param_group import Storage
+from shardkit.param_group import Holding
 from tests.conftest import TanhStack, fake_world
 
 
@@ -100,7 +100,7 @@ def test_four_block_schedule_prefetches_the_next_group_in_both_directions():
 
 def gathered_blocks(net: TanhStack) -> list[int]:
     """Blocks whose all-gather is issued or whose unsharded data is held."""
-    return [i for i, b in enumerate(net.blocks) if b._shardkit().group.storage is not Storage.SHARDED]
+    return [i for i, b in enumerate(net.blocks) if b._shardkit().group.holding is not Holding.SHARDED]
 
 
 def test_at_most_two_block_all_gathers_in_flight_and_none_after_the_step():

@@ -15,7 +15,7 @@ from shardkit import fully_shard
 from shardkit.comm import sim
 from shardkit.comm.sim import StreamRace
 from shardkit.comm.streams import DeviceStreams, Handle
-from shardkit.param_group import ParamGroup, Storage
+from shardkit.param_group import ParamGroup, Holding
 from tests.conftest import TanhStack, fake_world
 
 
@@ -96,8 +96,8 @@ def test_unsharded_parameters_freed_under_a_pending_all_gather_are_reported(monk
     reshard = ParamGroup._reshard
 
     def hasty(self, free, detail):
-        if self.storage is Storage.GATHERING:  # planted: drop the all-gather instead of waiting
-            self.gathering, self.storage = [], Storage.KEPT
+        if self.holding is Holding.GATHERING:  # planted: drop the all-gather instead of waiting
+            self.all_gathers, self.holding = [], Holding.KEPT
         reshard(self, free, detail)
 
     monkeypatch.setattr(ParamGroup, "_reshard", hasty)

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardkit
 from shardkit import fully_shard
 from shardkit.comm import trace as trace_module
-from shardkit.comm.trace import Event, Trace
+from shardkit.comm.trace import Record, Trace
 from tests.conftest import TanhStack, fake_world
 
 GROUPS = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
@@ -188,10 +188,10 @@ def test_timeline_gives_overlapping_collectives_a_second_lane_and_marks_exposed_
     t = Trace()
     ms = 1_000_000
     t.events = [
-        Event("all_gather", "a", dtype=torch.float32, numel=4, world=2, t=t.start_ns, done_ns=t.start_ns + 3 * ms),
-        Event("all_gather", "b", dtype=torch.float32, numel=4, world=2, t=t.start_ns + 1 * ms,
+        Record("all_gather", "a", dtype=torch.float32, numel=4, world=2, t=t.start_ns, done_ns=t.start_ns + 3 * ms),
+        Record("all_gather", "b", dtype=torch.float32, numel=4, world=2, t=t.start_ns + 1 * ms,
               wait_ns=t.start_ns + 2 * ms, done_ns=t.start_ns + 4 * ms),  # in flight beside "a", waited 2 ms
-        Event("all_gather", "c", dtype=torch.float32, numel=4, world=2, t=t.start_ns + 3 * ms, done_ns=t.start_ns + 5 * ms),
+        Record("all_gather", "c", dtype=torch.float32, numel=4, world=2, t=t.start_ns + 3 * ms, done_ns=t.start_ns + 5 * ms),
     ]
     doc = json.loads(shardkit.timeline.write([t], tmp_path / "x.json").read_text())
     assert thread_names(doc) == ["compute", "all_gather", "all_gather #2"]
