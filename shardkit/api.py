@@ -136,7 +136,7 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     own = [(slot, p) for p in sharded.values() for slot in p.slots]
     accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
     for inner in nested:
-        inner.links.parent = state
+        inner.parent = state
     hooks.install(state)
     for m in state.modules:
         m.__dict__["_shardkit_state"] = state

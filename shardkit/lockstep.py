@@ -40,15 +40,14 @@ class Lockstep(Direct):
 
     def __init__(self, schedule: Schedule) -> None:
         super().__init__(schedule)
-        self.states, self.device = schedule.states, schedule.device
-        self.tokens = _token_group(self.states)  # (process group, world): raises if unsupported
+        self.tokens = _token_group(schedule.states)  # (process group, world): raises if unsupported
         self._acting = False  # inside an agreed round: act at once
 
     def gather(self, state: GroupState) -> None:
         if state.group is None:
             return
         if not self._acting:
-            self._agree(2 * self.states.index(state) + GATHER if state.group.needs_all_gather() else NOTHING)
+            self._agree(2 * self.schedule.states.index(state) + GATHER if state.group.needs_all_gather() else NOTHING)
         super().gather(state)  # registers data this rank already held, if nobody gathered
 
     def prefetch(self, target: GroupState, backward: bool) -> None:
@@ -57,7 +56,7 @@ class Lockstep(Direct):
     def reduce(self, state: GroupState, reshard: bool) -> None:
         if self._acting:
             return super().reduce(state, reshard)
-        self._agree(2 * self.states.index(state) + REDUCE, own=(state, reshard))
+        self._agree(2 * self.schedule.states.index(state) + REDUCE, own=(state, reshard))
 
     def pass_ends(self) -> None:
         while not self._agree(DONE):  # serve the ranks still in their pass
@@ -70,7 +69,7 @@ class Lockstep(Direct):
         self._acting = True
         try:
             for t in sorted({t for t in tokens if t >= 0}):
-                state, kind = self.states[t // 2], t % 2
+                state, kind = self.schedule.states[t // 2], t % 2
                 if kind == GATHER:
                     self._stand_in_gather(state, keep=t == token or state.group.is_unsharded)
                 elif t == token:
@@ -101,7 +100,7 @@ class Lockstep(Direct):
 
     def _exchange(self, token: int) -> list[int]:
         pg, world = self.tokens
-        mine = torch.tensor([token], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([token], dtype=torch.int64, device=self.schedule.device)
         every = mine.new_empty(world)
         work = _all_gather_single(every, mine, group=pg)
         if work is not None:

@@ -196,9 +196,8 @@ class ParamGroup:
 
     def needs_all_gather(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
-        if self.holding is Holding.GATHERING:
-            return False
-        return not (self.holding in (Holding.UNSHARDED, Holding.KEPT) and self._fresh())
+        held = self.holding in (Holding.UNSHARDED, Holding.KEPT) and self._fresh()
+        return self.holding is not Holding.GATHERING and not held
 
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
@@ -287,8 +286,8 @@ class ParamGroup:
         return any(p.accumulated_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None) for p in self.params)
 
     def _reduction(self, part: MeshPart, bucket: Bucket) -> ReduceSettings:
-        layout = part.layout
-        options = self.options
+        """How ``bucket``'s gradients are reduced this time (the knobs may change between steps)."""
+        layout, options = part.layout, self.options
         # The default divisor: every rank of the part's mesh (both dims for HSDP).
         how = ReduceSettings(options.gradient_divide_factor or part.mesh.size(), custom=options.custom_reduce_scatter, force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
         if options.all_reduce_hook is not None:
@@ -296,7 +295,7 @@ class ParamGroup:
         if layout.replicate is not None:  # HSDP
             how.partial = layout.partial.pop(tuple(map(id, bucket.params)), None)
             how.replicate = layout.replicate
-            if not self.options.requires_all_reduce:
+            if not options.requires_all_reduce:
                 how.keep_partial = layout.partial  # instead of the all-reduce
         return how
 

@@ -29,14 +29,14 @@ def lazy_init(root: GroupState) -> Schedule:
         if state is None:
             continue
         if state in seen:  # a group of several modules, met again
-            state.links.name += f", {fqn}"
+            state.name += f", {fqn}"
             continue
         if state is not root and state.schedule is not None:
             raise RuntimeError(
                 f"shardkit: the fully_shard module '{fqn}' already ran forward as its own root. "
                 "Run the first forward through the outermost fully_shard module."
             )
-        state.shared, state.links.name = shared, fqn
+        state.shared, state.name = shared, fqn
         if state.options.reshard_after_forward is None:
             state.options.reshard_after_forward = state is not root
         states.append(state)
@@ -66,10 +66,10 @@ def set_lockstep(shared: Shared, enabled: bool) -> None:
 
 
 def _check_root(root: GroupState) -> None:
-    if root.links.parent is not None:
+    if root.parent is not None:
         raise RuntimeError(
             f"shardkit: {class_name(root.modules[0])} (a fully_shard module inside "
-            f"{class_name(root.links.parent.modules[0])}) ran forward before its root. Run the "
+            f"{class_name(root.parent.modules[0])}) ran forward before its root. Run the "
             "first forward through the root module, the one fully_shard was applied to last."
         )
     if len(root.modules) > 1:

@@ -164,7 +164,8 @@ class Schedule:
         """Finish every reduction, every group back to IDLE; ``last``: the step's backward is
         over (forget the order backward prefetching followed)."""
         for state in self.states:
-            if state.tied.take_deferred_reduce():  # the groups using its tied weights never ran backward
+            if state.tied.deferred_reduce:  # the groups using its tied weights never ran backward
+                state.tied.deferred_reduce = False
                 self.collectives.reduce(state, reshard=True)
         self.collectives.pass_ends()
         for group in self.groups_reducing:

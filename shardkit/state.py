@@ -149,14 +149,6 @@ class Shared:
     comm_ctx: Any = field(default_factory=object)  # its identity: which roots share_comm_ctx joined
 
 
-@dataclass
-class Links:
-    """Where a group sits: its name under the root and the ``fully_shard`` call around it."""
-
-    name: str = ""  # the module FQN under the root ("" for the root), set at lazy init
-    parent: "GroupState | None" = None
-
-
 @dataclass(eq=False)
 class Tied:
     """Weights tied across groups (an embedding tied to a head that another call shards). A
@@ -196,11 +188,6 @@ class Tied:
             owner.tied.deferred_reduce = False
         return ready
 
-    def take_deferred_reduce(self) -> bool:
-        """At the end of backward: a reduction still deferred (the borrowers never ran backward)."""
-        deferred, self.deferred_reduce = self.deferred_reduce, False
-        return deferred
-
 
 @dataclass
 class Step:
@@ -223,13 +210,10 @@ class GroupState:
     mp_policy: MixedPrecisionPolicy
     device: torch.device
     shared: Shared = field(default_factory=Shared)
-    links: Links = field(default_factory=Links)
+    name: str = ""  # the modules' FQNs under the root ("" for the root), set at lazy init
+    parent: "GroupState | None" = None  # the fully_shard call around this one
     tied: Tied = field(default_factory=Tied)
     step: Step = field(default_factory=Step)
-
-    @property
-    def name(self) -> str:
-        return self.links.name
 
     @property
     def schedule(self) -> Any:

@@ -64,8 +64,7 @@ class Comm:
                 _separate_groups[pg] = dist.new_group(dist.get_process_group_ranks(pg), use_local_synchronization=True)
             pg = _separate_groups[pg]
         gloo, averages, at_once = backend_of(pg)
-        if name is None:
-            name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
+        name = name or (mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}")
         world = dist.get_world_size(pg)
         return cls(pg, world, dist.get_rank(pg), streams, gloo, name, averages and world > 1, at_once)
 

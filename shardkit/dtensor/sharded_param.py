@@ -297,7 +297,12 @@ class ShardedParam:
         for slot in self.slots:
             held = slot.module._parameters.get(slot.name)
             if held is not self.unsharded_param and held is not self.sharded_param:
-                raise self._replaced_in_forward(slot)
+                raise RuntimeError(
+                    f"shardkit: {type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}') was replaced by a "
+                    "new object while unsharded, e.g. `module.weight = nn.Parameter(...)` in forward. shardkit would "
+                    "lose its gradient and keep training the old one. Change the parameter's data instead "
+                    "(`module.to(dtype)` is followed), or use a plain tensor attribute for the copy."
+                )
         if self.extension is None and self.tp_spec is None:  # did the module give it other data?
             self._data_replaced = self.unsharded_param.untyped_storage()._cdata != self._flat_storage
         self.put_on_modules(self.sharded_param)
@@ -387,14 +392,6 @@ class ShardedParam:
                 "change of dtype or device only. Reshape a copy instead of the parameter."
             )
         data.copy_(gathered)
-
-    def _replaced_in_forward(self, slot: ParamSlot) -> RuntimeError:
-        return RuntimeError(
-            f"shardkit: {type(slot.module).__name__}.{slot.name} (parameter '{self.fqn}') was replaced by a "
-            "new object while unsharded, e.g. `module.weight = nn.Parameter(...)` in forward. shardkit would "
-            "lose its gradient and keep training the old one. Change the parameter's data instead "
-            "(`module.to(dtype)` is followed), or use a plain tensor attribute for the copy."
-        )
 
     def drop_post_forward_shard(self) -> None:
         self.post_forward_shard = None
