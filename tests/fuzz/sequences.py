@@ -58,6 +58,7 @@ class Spec:
     foreach: bool = False  # AdamW's multi-tensor path, which bumps no version counter
     unused: bool = False  # each block holds a Linear its forward never calls (.grad stays None)
     param_mesh: bool = False  # the blocks' lin.weight on a mesh of its own (ShardPlacementResult): HSDP (2, world / 2), (1, 2) at world 2
+    swap_data: bool = False  # each block's forward gives its lin.weight new data (HF SwitchTransformers' router)
 
 
 class Boom(RuntimeError):
@@ -71,9 +72,12 @@ class Block(nn.Module):
         self.inner = nn.Linear(DIM, DIM) if spec.nested else None
         self.scale = nn.Parameter(1 + 0.1 * torch.randn(DIM, dtype=torch.float64)) if spec.mixed else None
         self.spare = nn.Linear(DIM, DIM) if spec.unused else None
+        self.swap_data = spec.swap_data
         self.fail = False
 
     def forward(self, x):
+        if self.swap_data:  # new data, same Parameter: what HF's router's `.to(torch.float32)` does to bf16 weights
+            self.lin.weight.data = self.lin.weight.data.clone()  # (a .to of the same dtype would copy nothing)
         x = torch.tanh(self.lin(x))
         if self.inner is not None:
             x = x + torch.tanh(self.inner(x))
@@ -247,6 +251,11 @@ class Run:
                 side.alive, side.why_out = False, f"fully_shard: {type(e).__name__}: {e}"
             if impl == "torch" and spec.tied == "across":  # shardkit only: FSDP2 manages the weight in both groups
                 side.alive, side.why_out = False, "weights tied across groups"
+            if impl == "torch" and spec.swap_data and numerics:
+                # FSDP2 keeps the data a forward gave the parameter and never refills it from a
+                # later all-gather: every step after the first computes with the first step's
+                # weights. Its collectives and errors (the fake tier) are still compared.
+                side.alive, side.why_out = False, "a forward swaps its parameter's data"
             self.sides.append(side)
         modules = groups_of(self.sides[0].model)
         self.groups = list(modules)

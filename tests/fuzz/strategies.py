@@ -33,6 +33,7 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
         mesh=mesh,
         foreach=draw(st.booleans()),
         unused=draw(st.booleans()),
+        swap_data=draw(st.booleans()),
         # the blocks' lin.weight on an HSDP mesh of its own, the rest on a 1-D one (an int
         # reshard_after_forward must divide both meshes' shard dims)
         param_mesh=mesh == "1d" and world % 2 == 0 and (isinstance(reshard, bool) or own_shard_size(world) % reshard == 0) and draw(st.booleans()),
