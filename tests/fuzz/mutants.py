@@ -55,6 +55,8 @@ MUTANTS = {
                           "a parameter no rank used gets a zero .grad instead of None"),
     "pipeline-final-callback-dropped": ("shardkit/fsdp2_view.py", "            self._state.schedule.end_backward()", "            pass",
                                         "pipelining's final callback does nothing: the last reductions never finish"),
+    "module-data-not-refilled": ("shardkit/dtensor/sharded_param.py", "self._data_replaced = self.unsharded_param.untyped_storage()._cdata != self._flat_storage", "self._data_replaced = False",
+                                 "data a forward gave its parameter is never refilled: later steps compute with stale weights"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
 }
