@@ -61,19 +61,20 @@ test-fast: $(STAMP)
 # tensor access is checked for races (shardkit/comm/sim.py); each gloo module must leave
 # accesses checked and no race ("sim streams: N accesses checked, ..."). Two lanes at once, as
 # gloo ranks wait on each other much of the time and one lane alone leaves a core idle: the
-# tests but the torchrun ones here, test-sim then the torchrun ones (tests/examples, the pipelining
-# check) beside them (their output after).
-TORCHRUN_TESTS = tests/examples tests/gloo/test_pipeline.py
+# tests but the side lane's here, test-sim then the side lane's (the torchrun ones: tests/examples,
+# the pipelining check; the compiled mode's, whose torch.compile runs are long) beside them (their
+# output after).
+SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/gloo/test_compiled_mode_tp.py tests/fake/test_compiled_graphs.py
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py
 
 test: $(STAMP)
 	@log=$$(mktemp); \
-	( $(MAKE) --no-print-directory test-sim; sim=$$?; echo "$(PYTEST) $(TORCHRUN_TESTS)"; $(PYTEST) $(TORCHRUN_TESTS); \
+	( $(MAKE) --no-print-directory test-sim; sim=$$?; echo "$(PYTEST) $(SIDE_LANE_TESTS)"; $(PYTEST) $(SIDE_LANE_TESTS); \
 	  examples=$$?; exit $$(( sim || examples )) ) > $$log 2>&1 & side=$$!; \
-	echo "$(PYTEST) tests $(TORCHRUN_TESTS:%=--ignore=%)  (beside it: make test-sim, then $(TORCHRUN_TESTS))"; \
-	$(PYTEST) tests $(TORCHRUN_TESTS:%=--ignore=%); main=$$?; \
+	echo "$(PYTEST) tests $(SIDE_LANE_TESTS:%=--ignore=%)  (beside it: make test-sim, then $(SIDE_LANE_TESTS))"; \
+	$(PYTEST) tests $(SIDE_LANE_TESTS:%=--ignore=%); main=$$?; \
 	wait $$side; side_rc=$$?; cat $$log; rm -f $$log; \
 	test $$main = 0 && test $$side_rc = 0
 
@@ -81,8 +82,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PYTEST) tests
 
+# (Not the compiled mode's fake-PG tests: torch.compile does not trace under the checker's dispatch mode.)
 test-sim: $(STAMP)
-	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS)
+	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) --ignore=tests/fake/test_compiled_graphs.py
 
 # The differential fuzzer for FUZZ_S seconds (a third on the fake process group, the rest on 2
 # gloo ranks); prints its seed (rerun one with FUZZ_SEED=N) and shrinks a failure to a repro

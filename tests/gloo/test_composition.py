@@ -232,7 +232,9 @@ def blocks_compiled_before_or_after_fully_shard_train_to_reference(mesh, impl):
 
 
 # FSDP + tensor parallel ------------------------------------------------------------------------
-def train_llama_2d(mesh_1d, impl, dp: int, tp: int):
+def train_llama_2d(mesh_1d, impl, dp: int, tp: int, fully_shard=None, compile=lambda model: model):
+    """Llama's blocks parallelized over tp and sharded over dp (``fully_shard``: the impl's
+    unless given), trained against the unsharded model (``compile``: what runs the model)."""
     import copy
 
     import torch.nn.functional as F
@@ -245,10 +247,12 @@ def train_llama_2d(mesh_1d, impl, dp: int, tp: int):
     torch.manual_seed(0)
     model = Llama(LlamaConfig())
     ref = copy.deepcopy(model)
+    fully_shard = fully_shard or FULLY_SHARD[impl]
     for block in model.layers:
         parallelize_module(block, mesh["tp"], tp_plan())
-        FULLY_SHARD[impl](block, mesh=mesh["dp"])
-    FULLY_SHARD[impl](model, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    run = compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
     g = torch.Generator().manual_seed(1)
@@ -256,7 +260,7 @@ def train_llama_2d(mesh_1d, impl, dp: int, tp: int):
         tokens = torch.randint(0, 64, (4, 17), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
         mine = [t.chunk(dp)[mesh.get_local_rank(0)] for t in (x, y)]  # tp ranks share a batch
-        loss = F.cross_entropy(model(mine[0]).flatten(0, 1), mine[1].flatten())
+        loss = F.cross_entropy(run(mine[0]).flatten(0, 1), mine[1].flatten())
         loss.backward()
         ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
         ref_loss.backward()

@@ -1,0 +1,257 @@
+"""Compiled mode: FSDP as ops of the model's own graph, for ``torch.compile``.
+
+    from shardkit.compiled import fully_shard   # instead of: from shardkit import fully_shard
+
+The same calls (``fully_shard`` on each block, then on the root) and the same sharded
+parameters: each is an ``nn.Parameter`` holding the same ``Shard(0)`` DTensor as in eager mode,
+so the optimizer, ``state_dict()`` and ``shardkit.checkpoint`` files are the eager mode's. What
+differs is how the parameters are gathered: no hooks and no schedule. A group's forward runs
+``gather``: the group's shards, cast to ``param_dtype``, laid end to end and all-gathered in
+ONE functional collective (``_c10d_functional.all_gather_into_tensor``), whose autograd
+backward is ONE reduce-scatter of the gradients in ``reduce_dtype``, divided by the ranks.
+The modules read their parameters through class properties that return the gathered
+tensors while their group's forward runs (the sharded DTensors otherwise). Dynamo traces all
+of it: ``torch.compile(model, fullgraph=True)`` gives one forward and one backward graph,
+with one all-gather per group in forward and one reduce-scatter per group in backward, which
+the compiler is free to schedule around the compute.
+
+``reshard_after_forward=True`` (every group but the root, by default) wraps the gather in a
+selective activation checkpoint that recomputes it: the compiled backward all-gathers the
+group again instead of keeping its unsharded parameters from forward (the eager schedule).
+
+Without ``torch.compile`` the same code runs eagerly and trains to the same numbers, but
+every collective blocks and the unsharded parameters stay alive until backward (eager
+autograd saves them): use ``shardkit.fully_shard`` for eager training.
+
+Not in this mode (they raise): ``shard_placement_fn`` other than ``Shard(0)``, CPU offload,
+an int ``reshard_after_forward``, HSDP and ``dp_mesh_dims`` meshes, weights tied across two
+``fully_shard`` calls, tensor subclasses with FSDP2's all-gather hooks, and the
+``FSDPModule`` methods (a compiled-mode module is not an ``FSDPModule``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from shardkit import api, meshes
+from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
+from shardkit.module import accept_full_tensors
+from shardkit.options import ParamOptions
+from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from shardkit.state import class_name
+from shardkit.tensors import cast_floating
+
+
+class CompiledFSDPModule:
+    """What ``shardkit.compiled.fully_shard`` makes a module's class also derive from."""
+
+    _orig_cls_mro_index = 2  # (FSDPFoo, CompiledFSDPModule, Foo): class_name() reports Foo
+
+
+@dataclass
+class Bucket:
+    """The parameters of a group that travel in one collective: one original, one param and
+    one reduce dtype (usually the whole group)."""
+
+    indices: list[int]  # into the group's params
+    numels: list[int]  # padded shard elements per parameter
+    dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+
+class CompiledGroup:
+    """One ``fully_shard`` call in compiled mode: its parameters (a ``ShardedParam`` each, for
+    the layout), where the modules register them, and the gathered tensors while its forward runs."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy) -> None:
+        self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy
+        self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
+        self.parent: CompiledGroup | None = None  # the fully_shard call around this one
+        self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
+        self.pg_name, self.world = mesh.get_group().group_name, mesh.size()
+        buckets: dict[tuple, Bucket] = {}
+        for i, p in enumerate(params):
+            key = (p.dtype, p.param_dtype, p.reduce_dtype)
+            bucket = buckets.setdefault(key, Bucket([], [], *key))
+            bucket.indices.append(i)
+            bucket.numels.append(p.shard_numel)
+        self.buckets = list(buckets.values())
+
+    @property
+    def name(self) -> str:
+        return class_name(self.modules[0])
+
+
+class _GatherBucket(torch.autograd.Function):
+    """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
+    the gradient in ``reduce_dtype``, divided by the ranks, in the shards' dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, pg_name: str, world: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.pg_name, ctx.world, ctx.reduce_dtype, ctx.dtype = pg_name, world, reduce_dtype, flat.dtype
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(flat.to(param_dtype), world, pg_name)
+        return torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.pg_name)
+        reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
+        return (reduced / ctx.world).to(ctx.dtype), None, None, None, None
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def gather(group: CompiledGroup) -> list[torch.Tensor]:
+    """The group's unsharded parameters, from one all-gather per bucket (recomputed in backward
+    when the group reshards after forward)."""
+    registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
+    shards = [param.to_local() for param in registered]
+
+    def run(*shards: torch.Tensor) -> list[torch.Tensor]:
+        unsharded: list[Any] = [None] * len(shards)
+        for bucket in group.buckets:
+            flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
+            gathered = _GatherBucket.apply(flat, group.pg_name, group.world, bucket.param_dtype, bucket.reduce_dtype)
+            for i, column in zip(bucket.indices, gathered.view(group.world, -1).split(bucket.numels, dim=1)):
+                unsharded[i] = _unsharded(column, group.params[i])
+        return unsharded
+
+    reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
+    if reshard and torch.is_grad_enabled():
+        context = functools.partial(create_selective_checkpoint_contexts, _recompute)
+        return checkpoint(run, *shards, use_reentrant=False, context_fn=context)
+    return run(*shards)
+
+
+def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+    """This rank's rows followed by zero rows up to ``padded_rows`` (the all-gather's input)."""
+    missing = p.padded_rows - shard.shape[0]
+    return shard if missing == 0 else torch.cat([shard, shard.new_zeros(missing, *shard.shape[1:])])
+
+
+def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+    """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
+    (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
+    full = column.reshape(p.world * p.padded_rows, *p.shape[1:])[: p.shape[0]]
+    if p.tp_spec is None:
+        return full
+    spec = p.tp_spec
+    return DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Any = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+):
+    """``shardkit.fully_shard`` in compiled mode (see the top of this file): shard ``module``'s
+    parameters over ``mesh`` and gather them inside its forward as ops of the graph. The same
+    signature; the options this mode does not take raise ``NotImplementedError``."""
+    modules = api._check_modules(module)
+    mesh = meshes.default_mesh() if mesh is None else mesh
+    meshes.check_mesh(mesh)
+    _unsupported(mesh, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
+    mp_policy, _, _ = check_policies(mp_policy, offload_policy)
+    ignored = api._check_ignored(ignored_params, modules)
+    device = meshes.mesh_device(mesh)
+    managed, nested = api._managed_modules(modules)
+    for inner in nested:
+        if not isinstance(inner, CompiledGroup):
+            raise ValueError(f"shardkit: {class_name(inner.modules[0])} was sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
+    slots, borrowed = api._param_slots(managed, ignored)
+    if borrowed:
+        names = [slot.name for more in borrowed.values() for slot in more]
+        raise NotImplementedError(f"shardkit.compiled: parameters {names} are tied to a parameter of another fully_shard call; shard them in one call.")
+    api._move_buffers(managed, device)
+    options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, False, False, mp_policy)
+    params = [ShardedParam(p, s, mesh, device, options) for p, s in slots.items()]
+    group = CompiledGroup(modules, params, mesh, reshard_after_forward, mp_policy)
+    for original, p in zip(slots, params):
+        original._shardkit_shared = (p, group)  # a later call meeting it again: tied across calls
+        original._shardkit_replaced = True  # see optim.py: an optimizer holding it warns
+        p.put_on_modules(p.sharded_param)
+    accept_full_tensors([(slot, p) for p in params for slot in p.slots])
+    for inner in nested:
+        inner.parent = group
+    _install(group)
+    return module
+
+
+def _unsupported(mesh: DeviceMesh, reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
+    why = ""
+    if mesh.ndim != 1:
+        why = "a 2-D mesh (HSDP)"
+    elif reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        why = f"reshard_after_forward={reshard_after_forward!r} (an int)"
+    elif shard_placement_fn is not None:
+        why = "shard_placement_fn"
+    elif type(offload_policy) is not OffloadPolicy:
+        why = "CPU offload"
+    elif dp_mesh_dims is not None:
+        why = "dp_mesh_dims"
+    if why:
+        raise NotImplementedError(f"shardkit.compiled.fully_shard does not take {why}; use shardkit.fully_shard (eager) for it.")
+
+
+def _install(group: CompiledGroup) -> None:
+    """Each module holding the group's parameters reads them through class properties (the
+    gathered tensors during the group's forward); the group's own modules gather in forward."""
+    by_module: dict[nn.Module, dict[str, int]] = {}
+    for i, p in enumerate(group.params):
+        for slot in p.slots:
+            by_module.setdefault(slot.module, {})[slot.name] = i
+    for m in group.modules:
+        by_module.setdefault(m, {})
+        m.__dict__["_shardkit_state"] = group
+    for m, names in by_module.items():
+        namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
+        if m in group.modules:
+            namespace["forward"] = _gathering_forward(group, type(m).forward)
+        namespace["__module__"] = type(m).__module__  # as api._fsdp_class: dynamo traces torch.nn built-ins by it
+        if m in group.modules:
+            m.__class__ = type(f"FSDP{type(m).__name__}", (CompiledFSDPModule, type(m)), namespace)
+        else:  # a submodule: only its parameters' properties
+            m.__class__ = type(type(m).__name__, (type(m),), namespace)
+
+
+def _param_property(group: CompiledGroup, name: str, i: int) -> property:
+    def get(module: nn.Module) -> Any:
+        return group.gathered[i] if group.gathered is not None else module._parameters[name]
+
+    return property(get)
+
+
+def _gathering_forward(group: CompiledGroup, forward: Any) -> Any:
+    def gathering_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        policy = group.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        if group.gathered is not None:  # re-entry: another module of the group
+            output = forward(self, *args, **kwargs)
+        else:
+            group.gathered = gather(group)
+            try:
+                output = forward(self, *args, **kwargs)
+            finally:
+                group.gathered = None
+        return output if policy.output_dtype is None else cast_floating(output, policy.output_dtype)
+
+    return gathering_forward

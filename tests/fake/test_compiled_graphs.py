@@ -1,0 +1,162 @@
+"""shardkit.compiled on the fake process group (world 8): the graphs torch.compile makes of a
+sharded GPT, their collectives against eager shardkit's trace, placements, and errors.
+
+The compiler is aot_eager with recording compilers (AOTAutograd's min-cut partitioner, as
+inductor uses): what dynamo and AOTAutograd produce is what is checked, not inductor's code.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+from functorch.compile import min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor, Shard
+
+import shardkit
+import shardkit.compiled
+from conftest import fake_world
+from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard
+from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+
+WORLD = 8
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=65)  # 3 groups: 2 blocks, root
+COLLECTIVES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+class Recording:
+    """aot_eager that keeps the forward and backward graphs: their collectives, by kind, with
+    the bytes each moves over the wire (the output of an all-gather, the input of a reduce-scatter)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        self.dynamo_graphs = 0
+        self.backend = aot_autograd(fw_compiler=self._keep("forward"), bw_compiler=self._keep("backward"), partition_fn=min_cut_rematerialization_partition)
+
+    def __call__(self, gm, example_inputs):
+        self.dynamo_graphs += 1
+        return self.backend(gm, example_inputs)
+
+    def _keep(self, kind: str):
+        def compile_graph(gm, example_inputs):
+            self.graphs[kind].append(gm)
+            return boxed_nop(gm, example_inputs)
+
+        return compile_graph
+
+    def collectives(self, kind: str) -> list[tuple[str, int]]:
+        """(kind, bytes) of each collective of the ``kind`` graph, in graph order."""
+        found = []
+        for gm in self.graphs[kind]:
+            for node in gm.graph.nodes:
+                name = getattr(node.target, "__name__", "").split(".")[0]
+                if node.op == "call_function" and name in COLLECTIVES:
+                    tensor = node.meta["val"] if name == "all_gather_into_tensor" else node.args[0].meta["val"]
+                    found.append((COLLECTIVES[name], tensor.numel() * tensor.element_size()))
+        return found
+
+
+def gpt(fully_shard, **kwargs) -> GPT:
+    torch.manual_seed(0)
+    return apply_fully_shard(GPT(CONFIG), fully_shard, **kwargs)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size), generator=torch.Generator().manual_seed(0))
+    return x, x
+
+
+def compiled_step(mesh, **kwargs) -> Recording:
+    torch._dynamo.reset()
+    counters.clear()
+    recording = Recording()
+    model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh, **kwargs), fullgraph=True, backend=recording)
+    _, loss = model(*batch())
+    loss.backward()
+    return recording
+
+
+def eager_trace(mesh, **kwargs) -> tuple[list, list]:
+    """Eager shardkit's collectives of one step, (kind, bytes) each, forward and backward; a
+    reduce-scatter without its grad-presence column (one element per parameter and rank, which
+    compiled mode does not carry: an unused parameter gets a zero gradient there)."""
+    model = gpt(shardkit.fully_shard, mesh=mesh, **kwargs)
+    with shardkit.trace() as t:
+        _, loss = model(*batch())
+    forward = [(e.kind, e.nbytes) for e in t.collectives()]
+    with shardkit.trace() as t:
+        loss.backward()
+    params = {state.name: len(state.group.params) for state in model._shardkit().schedule.states}
+    presence = lambda e: WORLD * params[e.group] * e.dtype.itemsize if e.kind == "reduce_scatter" else 0  # noqa: E731
+    return forward, [(e.kind, e.nbytes - presence(e)) for e in t.collectives()]
+
+
+def test_fullgraph_gives_one_forward_and_one_backward_graph_and_no_graph_break():
+    with fake_world(WORLD) as mesh:
+        recording = compiled_step(mesh)
+    assert recording.dynamo_graphs == 1
+    assert [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("reshard, gathered_again", [(None, 2), (True, 3), (False, 0)])
+def test_collectives_and_their_bytes_equal_eager_shardkits(reshard, gathered_again):
+    """One all-gather per group in forward; in backward one reduce-scatter per group and the
+    all-gathers of the groups that resharded after forward (by default every group but the
+    root, as in eager). The same bytes as eager shardkit's trace: the same padded shards."""
+    kwargs = {} if reshard is None else dict(reshard_after_forward=reshard)
+    with fake_world(WORLD) as mesh:
+        recording = compiled_step(mesh, **kwargs)
+        eager_forward, eager_backward = eager_trace(mesh, **kwargs)
+    forward, backward = recording.collectives("forward"), recording.collectives("backward")
+    assert Counter(forward) == Counter(eager_forward)
+    assert Counter(backward) == Counter(eager_backward)
+    assert len(forward) == 3 and Counter(k for k, _ in backward) == {"reduce_scatter": 3, **({"all_gather": gathered_again} if gathered_again else {})}
+
+
+def test_mixed_precision_gathers_bf16_and_reduces_fp32_as_eager():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with fake_world(WORLD) as mesh:
+        recording = compiled_step(mesh, mp_policy=policy)
+        eager_forward, eager_backward = eager_trace(mesh, mp_policy=policy)
+    assert Counter(recording.collectives("forward")) == Counter(eager_forward)
+    assert Counter(recording.collectives("backward")) == Counter(eager_backward)
+    gathers = [n for n in recording.graphs["forward"][0].graph.nodes if "all_gather_into_tensor" in str(n.target)]
+    assert {n.meta["val"].dtype for n in gathers} == {torch.bfloat16}  # cast before the all-gather
+
+
+def test_parameters_and_state_dict_are_eager_modes():
+    with fake_world(WORLD) as mesh:
+        compiled, eager = gpt(shardkit.compiled.fully_shard, mesh=mesh), gpt(shardkit.fully_shard, mesh=mesh)
+        for (name, p), (eager_name, q) in zip(compiled.state_dict().items(), eager.state_dict().items()):
+            assert name == eager_name
+            assert isinstance(p, DTensor) and p.placements == q.placements == (Shard(0),)
+            assert p.shape == q.shape and p._local_tensor.shape == q._local_tensor.shape
+            assert torch.equal(p._local_tensor, q._local_tensor), name
+        assert isinstance(compiled.blocks[0], shardkit.compiled.CompiledFSDPModule)
+        assert not isinstance(compiled.blocks[0].attn.qkv, shardkit.compiled.CompiledFSDPModule)
+        assert type(compiled.blocks[0].attn.qkv).__name__ == "Linear"  # a submodule keeps its name
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    (dict(reshard_after_forward=2), "reshard_after_forward=2"),
+    (dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
+    (dict(shard_placement_fn=lambda p: Shard(1)), "shard_placement_fn"),
+])
+def test_options_this_mode_does_not_take_raise(kwargs, what):
+    with fake_world(WORLD) as mesh:
+        with pytest.raises(NotImplementedError, match=f"does not take {what}.*shardkit.fully_shard"):
+            shardkit.compiled.fully_shard(nn.Linear(8, 8), mesh=mesh, **kwargs)
+
+
+def test_one_mode_per_model():
+    with fake_world(WORLD) as mesh:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        shardkit.fully_shard(model[0], mesh=mesh)
+        with pytest.raises(ValueError, match="Linear was sharded by shardkit.fully_shard \\(eager\\); use one mode"):
+            shardkit.compiled.fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="already applied"):
+            shardkit.compiled.fully_shard(model[0], mesh=mesh)
