@@ -27,7 +27,9 @@ pay, written out in this file with no hooks and no DTensor (class Floor): the pl
 per block, the copy-in, all-gather and copy-out twice (forward, and again for backward) and
 the padded gradient copy-in and reduce-scatter. shardkit/floor is the runtime's own cost.
 
-    --compile   part 1 again with every block torch.compile'd, side by side with eager
+    --compile   part 1 again with every block torch.compile'd, side by side with eager, and a
+                fifth implementation: shardkit's compiled mode (shardkit.compiled.fully_shard, the
+                whole model torch.compile'd with fullgraph=True: one graph, collectives in it)
     --scaling   how the cost grows with the world and the block count (benchmarks/scaling.py)
 """
 
@@ -59,9 +61,12 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardkit
+import shardkit.compiled
 from shardkit.models import GPT, GPTConfig, apply_fully_shard
 
 IMPLS = ("shardkit", "fsdp2", "ddp", "local")
+COMPILED_MODE = "compiled"  # --compile: shardkit.compiled, the whole model in one graph
+EAGER = "eager shardkit"  # --compile: shardkit with nothing compiled, in the same run
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 WORLD = 2
 WARMUP_STEPS = 3
@@ -140,8 +145,11 @@ def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
         "local": base,
     }
     if args.compile:
+        compiled = apply_fully_shard(copy.deepcopy(base), shardkit.compiled.fully_shard, mesh=mesh)  # before base's blocks are
+        eager = apply_fully_shard(copy.deepcopy(base), shardkit.fully_shard, mesh=mesh)
         for model in models.values():
             compile_blocks(model)
+        models[COMPILED_MODE], models[EAGER] = torch.compile(compiled, fullgraph=True), eager
     foreach = {"auto": None, "on": True, "off": False}[args.foreach]
     return {name: Impl(name, m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=foreach)) for name, m in models.items()}
 
@@ -153,6 +161,10 @@ def compile_blocks(model: nn.Module) -> None:
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     for i, block in enumerate(inner.blocks):
         inner.blocks[i] = torch.compile(block)
+
+
+def impl_names(args: argparse.Namespace) -> tuple[str, ...]:
+    return IMPLS + ((COMPILED_MODE, EAGER) if args.compile else ())
 
 
 def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,13 +191,14 @@ def train_step(impl: Impl, args: argparse.Namespace, probe=None) -> float:
 
 def time_rounds(impls: dict[str, Impl], args: argparse.Namespace) -> torch.Tensor:
     """Step seconds, (rounds, impls, steps); the implementation order rotates every round."""
-    times = torch.zeros(args.rounds, len(IMPLS), args.steps, dtype=torch.float64)
+    names = impl_names(args)
+    times = torch.zeros(args.rounds, len(names), args.steps, dtype=torch.float64)
     for r in range(args.rounds):
-        order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
+        order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             dist.barrier()
             for s in range(args.steps):
-                times[r, IMPLS.index(name), s] = train_step(impls[name], args)
+                times[r, names.index(name), s] = train_step(impls[name], args)
     return times
 
 
@@ -227,7 +240,7 @@ def counting_torch_collectives(counts: dict):
 def count_collectives(impl: Impl, args: argparse.Namespace) -> dict:
     """{kind: [calls, bytes]} over one step, and the torch functions seen (FSDP2 only)."""
     counts = {kind: [0, 0] for kind in KINDS} | {"functions": set()}
-    if impl.name == "shardkit":
+    if impl.name in ("shardkit", EAGER):
         with shardkit.trace() as t:
             train_step(impl, args)
         for kind, stats in t.summary().items():
@@ -294,10 +307,11 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> 
         for _ in range(WARMUP_STEPS):
             train_step(impl, args)
     times = time_rounds(impls, args)
-    counts = {name: count_collectives(impls[name], args) for name in IMPLS}
-    rss = torch.tensor([peak_rss_mib(impls[name], args) for name in IMPLS], dtype=torch.float64)  # (impls, 2)
-    held = torch.tensor([state_bytes(impls[name]) for name in IMPLS], dtype=torch.float64)
-    losses = torch.tensor([impls[name].last_loss for name in IMPLS], dtype=torch.float64)
+    names = impl_names(args)
+    counts = {name: count_collectives(impls[name], args) for name in names}
+    rss = torch.tensor([peak_rss_mib(impls[name], args) for name in names], dtype=torch.float64)  # (impls, 2)
+    held = torch.tensor([state_bytes(impls[name]) for name in names], dtype=torch.float64)
+    losses = torch.tensor([impls[name].last_loss for name in names], dtype=torch.float64)
     all_times = [torch.zeros_like(times) for _ in range(WORLD)]
     dist.all_gather(all_times, times)
     for tensor in (rss, held):
@@ -305,7 +319,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> 
     dist.all_reduce(losses)  # summed; divided by WORLD below
     if rank == 0:
         result = summarize(args, impls["local"], all_times, counts)
-        for i, name in enumerate(IMPLS):
+        for i, name in enumerate(names):
             result["impls"][name].update(start_rss_mib=rss[i, 0].item(), peak_rss_mib=rss[i, 1].item(),
                                          held_mib_per_rank=held[i].item() / MiB, last_loss=losses[i].item() / WORLD)
         print_distributed(make_console(), result)
@@ -324,7 +338,8 @@ def summarize(args: argparse.Namespace, local: Impl, all_times: list[torch.Tenso
     result = {"config": vars(args), "world": WORLD,
               "param_mib": sum(p.numel() * p.element_size() for p in local.model.parameters()) / MiB,
               "impls": {}, "ratios": {}}
-    for i, name in enumerate(IMPLS):
+    names = impl_names(args)
+    for i, name in enumerate(names):
         ms = round_ms[:, i].tolist()
         result["impls"][name] = {
             "step_ms_per_round": ms, "step_ms": statistics.median(ms), "tokens_per_s": tokens / statistics.median(ms) * 1000,
@@ -333,8 +348,11 @@ def summarize(args: argparse.Namespace, local: Impl, all_times: list[torch.Tenso
             "sent_bytes_per_rank_step": counts[name]["sent"],
             "torch_functions_called": counts[name]["functions"],
         }
-    for a, b in (("shardkit", "fsdp2"), ("shardkit", "ddp"), ("local", "ddp")):
-        per_round = (round_ms[:, IMPLS.index(a)] / round_ms[:, IMPLS.index(b)]).tolist()
+    pairs = (("shardkit", "fsdp2"), ("shardkit", "ddp"), ("local", "ddp"))
+    if args.compile:
+        pairs += tuple((COMPILED_MODE, other) for other in (EAGER, "shardkit", "fsdp2", "ddp"))
+    for a, b in pairs:
+        per_round = (round_ms[:, names.index(a)] / round_ms[:, names.index(b)]).tolist()
         result["ratios"][f"{a}/{b}"] = {"per_round": per_round, "median": statistics.median(per_round)}
     return result
 
@@ -519,12 +537,15 @@ def print_overhead(console: Console, result: dict) -> None:
 
 
 def print_compiled(console: Console, eager: dict, compiled: dict) -> None:
-    table = Table(title="--compile: step ms, eager and with the blocks compiled (same run)")
-    for header in ("impl", "eager", "compiled", "compiled / eager"):
+    table = Table(title="--compile: step ms, eager and compiled (blocks torch.compile'd; compiled mode: the whole model)")
+    for header in ("impl", "eager run", "compiled run", "compiled / eager run", "/ eager shardkit\n(compiled run)"):
         table.add_column(header, justify="right")
-    for name in IMPLS:
-        a, b = eager["impls"][name]["step_ms"], compiled["impls"][name]["step_ms"]
-        table.add_row(name, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}")
+    eager_shardkit = compiled["impls"][EAGER]["step_ms"]  # the same run: the same machine state
+    for name in (*IMPLS, COMPILED_MODE, EAGER):
+        b = compiled["impls"][name]["step_ms"]
+        same = "shardkit" if name == EAGER else name
+        a = eager["impls"][same]["step_ms"] if same in eager["impls"] else None
+        table.add_row(name, "-" if a is None else f"{a:.1f}", f"{b:.1f}", "-" if a is None else f"{b / a:.2f}", f"{b / eager_shardkit:.2f}")
     console.print(table)
     console.print("compiled ratios: " + ", ".join(f"{k} {v['median']:.2f}" for k, v in compiled["ratios"].items()))
 

@@ -11,7 +11,10 @@ On one GPU, NCCL at world 1, in a few minutes:
    delays. Printed with the exposed communication per step (device time the compute stream
    waited for collectives, from shardkit's trace);
 4. the same GPT with shardkit and with torch's FSDP2: peak ``torch.cuda.max_memory_allocated``
-   and median step time, side by side.
+   and median step time, side by side;
+5. compiled mode: the GPT with ``shardkit.compiled.fully_shard`` and ``torch.compile(model,
+   fullgraph=True)`` (inductor) against eager shardkit: losses over 3 AdamW steps (inductor's
+   kernels round differently: 1e-4), then median step time and peak memory side by side.
 
 It prints one table and exits non-zero if a check failed. ``--cpu`` runs the same script on
 the CPU (gloo, shardkit's simulated streams) to check the script itself; the GPU-only
@@ -40,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import shardkit  # noqa: E402
+import shardkit.compiled  # noqa: E402
 from shardkit.comm import collectives, sim  # noqa: E402
 from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard  # noqa: E402
 
@@ -186,22 +190,47 @@ def measure_against_fsdp2(mesh, device: torch.device) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         data = batches(device, model.config, 12, batch=8)
         reset_peak(device)
-        times = []
-        for x, y in data:
-            sync(device)
-            start = time.perf_counter()
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            sync(device)
-            times.append((time.perf_counter() - start) * 1e3)
-        rows[impl] = (statistics.median(times[2:]), peak(device), loss.item())
+        times, losses = train_timed(model, opt, data, device)
+        rows[impl] = (statistics.median(times[2:]), peak(device), losses[-1])
     (s_ms, s_peak, s_loss), (f_ms, f_peak, f_loss) = rows["shardkit"], rows["fsdp2"]
     same = abs(s_loss - f_loss) <= 1e-3 * abs(f_loss)
     peaks = f"peak {s_peak / 2**20:.0f} vs {f_peak / 2**20:.0f} MiB ({s_peak / f_peak:.2f}x)" if f_peak else "peak n/a on the CPU"
     report(f"vs FSDP2 ({model_name(size)})", same,
            f"step {s_ms:.1f} vs {f_ms:.1f} ms ({s_ms / f_ms:.2f}x), {peaks}, last loss {s_loss:.5f} vs {f_loss:.5f}")
+
+
+def train_timed(model: nn.Module, opt: torch.optim.Optimizer, data: list, device: torch.device) -> tuple[list[float], list[float]]:
+    """An AdamW step per batch: each step's milliseconds and loss."""
+    times, losses = [], []
+    for x, y in data:
+        sync(device)
+        start = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.item())
+    return times, losses
+
+
+def check_compiled_mode(mesh, device: torch.device) -> None:
+    """Compiled mode against eager shardkit: the same losses, then step time and peak memory."""
+    models = {}
+    for name, fully_shard in (("eager", shardkit.fully_shard), ("compiled", shardkit.compiled.fully_shard)):
+        model = apply_fully_shard(gpt(device), fully_shard, mesh=mesh)
+        models[name] = (torch.compile(model, fullgraph=True) if name == "compiled" else model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    data = batches(device, models["eager"][0].config, 13)
+    losses, ms, peaks = {}, {}, {}
+    for name, (model, opt) in models.items():
+        reset_peak(device)
+        times, losses[name] = train_timed(model, opt, data, device)
+        ms[name], peaks[name] = statistics.median(times[3:]), peak(device)
+    worst = max(abs(a - b) for a, b in zip(losses["eager"][:3], losses["compiled"][:3]))
+    report("compiled mode parity", worst <= 1e-4, f"3 AdamW steps against eager shardkit: largest loss difference {worst:.2e}")
+    report("compiled mode speed", None, f"step {ms['compiled']:.1f} ms vs eager {ms['eager']:.1f} ms "
+           f"({ms['compiled'] / ms['eager']:.2f}x); peak {peaks['compiled'] / 2**20:.0f} vs {peaks['eager'] / 2**20:.0f} MiB")
 
 
 def model_name(size: dict) -> str:
@@ -249,6 +278,7 @@ def main() -> int:
             measure_against_fsdp2(mesh, device)
         if checker is not None:
             report("simulated streams", checker.races == 0, checker.summary())
+        check_compiled_mode(mesh, device)  # outside the checker: dynamo compiles nothing under a dispatch mode
     finally:
         dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

@@ -23,6 +23,10 @@ Without ``torch.compile`` the same code runs eagerly and trains to the same numb
 every collective blocks and the unsharded parameters stay alive until backward (eager
 autograd saves them): use ``shardkit.fully_shard`` for eager training.
 
+The trace (``shardkit.trace()``) records each collective where the graph issues it and where
+its wait returns, through an ordered-effect op (``shardkit::trace_collective``); the all-gathers
+the partitioner recomputes in backward are not recorded (it does not recompute effectful ops).
+
 Not in this mode (they raise): ``shard_placement_fn`` other than ``Shard(0)``, CPU offload,
 an int ``reshard_after_forward``, HSDP and ``dp_mesh_dims`` meshes, weights tied across two
 ``fully_shard`` calls, tensor subclasses with FSDP2's all-gather hooks, and the
@@ -39,9 +43,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch._library.effects import EffectType
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardkit import api, meshes
+from shardkit.comm import trace
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.module import accept_full_tensors
 from shardkit.options import ParamOptions
@@ -74,6 +80,8 @@ class CompiledGroup:
 
     def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy) -> None:
         self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy
+        self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
+        self.mesh_dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "dim0"
         self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
@@ -86,27 +94,57 @@ class CompiledGroup:
             bucket.numels.append(p.shard_numel)
         self.buckets = list(buckets.values())
 
-    @property
-    def name(self) -> str:
-        return class_name(self.modules[0])
-
 
 class _GatherBucket(torch.autograd.Function):
     """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
     the gradient in ``reduce_dtype``, divided by the ranks, in the shards' dtype."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, pg_name: str, world: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.Tensor:
-        ctx.pg_name, ctx.world, ctx.reduce_dtype, ctx.dtype = pg_name, world, reduce_dtype, flat.dtype
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(flat.to(param_dtype), world, pg_name)
-        return torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
+    def forward(ctx: Any, flat: torch.Tensor, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype, ctx.dtype = group, reduce_dtype, flat.dtype
+        send = flat.to(param_dtype)
+        torch.ops.shardkit.trace_collective(send, "all_gather", group.name, group.world, group.mesh_dim, False)
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, group.world, group.pg_name)
+        gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
+        torch.ops.shardkit.trace_collective(gathered, "all_gather", group.name, group.world, group.mesh_dim, True)
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        group = ctx.group
         grad = grad.to(ctx.reduce_dtype).contiguous()
-        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.pg_name)
+        torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, group.world, group.mesh_dim, False)
+        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", group.world, group.pg_name)
         reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
-        return (reduced / ctx.world).to(ctx.dtype), None, None, None, None
+        torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, group.world, group.mesh_dim, True)
+        return (reduced / group.world).to(ctx.dtype), None, None, None
+
+
+# The trace (``shardkit.trace()``) sees compiled-mode collectives as eager mode's: an op that
+# runs where the collective runs, compiled or not, before it (issued) and after its wait (done).
+# Ordered effects keep the compiler from dropping or moving it.
+_issued: dict[tuple[str, str], list] = {}  # (kind, group) -> its records issued, not yet done
+
+
+@torch.library.custom_op("shardkit::trace_collective", mutates_args=())
+def _trace_collective(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool) -> None:
+    """``x``: the collective's input (issued) or its output (done): its dtype and size."""
+    if not trace.is_recording():
+        return
+    queue = _issued.setdefault((kind, group), [])
+    if not done:
+        numel = x.numel() * world if kind == "all_gather" else x.numel()
+        queue.append(trace.record(kind, group, dtype=x.dtype, numel=numel, world=world, mesh_dim=mesh_dim))
+    elif queue:
+        trace.done(queue.pop(0))
+
+
+@_trace_collective.register_fake
+def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool) -> None:
+    return None
+
+
+_trace_collective.register_effect(EffectType.ORDERED)
 
 
 def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -123,7 +161,7 @@ def gather(group: CompiledGroup) -> list[torch.Tensor]:
         unsharded: list[Any] = [None] * len(shards)
         for bucket in group.buckets:
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherBucket.apply(flat, group.pg_name, group.world, bucket.param_dtype, bucket.reduce_dtype)
+            gathered = _GatherBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype)
             for i, column in zip(bucket.indices, gathered.view(group.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded
@@ -192,6 +230,10 @@ def fully_shard(
     for inner in nested:
         inner.parent = group
     _install(group)
+    for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
+        inner = m.__dict__.get("_shardkit_state")
+        if isinstance(inner, CompiledGroup) and inner is not group:
+            inner.name = fqn
     return module
 
 

@@ -229,11 +229,15 @@ class MemTracker(TorchDispatchMode):
             self._see_storage(storage, "resize_", None)
 
     # The dispatch mode ---------------------------------------------------------------------
+    # Higher-order operators too (a compiled graph's ``with_effects``, shardkit.compiled's trace
+    # op): run like any op, their tensors seen.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # DTensor and friends unwrap; their local ops come back here
         out = func(*args, **(kwargs or {}))
-        origin = func.__name__
+        origin = getattr(func, "__name__", str(func))
         for t in _tensors((args, kwargs, out)):
             self._see(t, origin)
         return out

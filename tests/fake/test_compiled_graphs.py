@@ -160,3 +160,30 @@ def test_one_mode_per_model():
             shardkit.compiled.fully_shard(model, mesh=mesh)
         with pytest.raises(ValueError, match="already applied"):
             shardkit.compiled.fully_shard(model[0], mesh=mesh)
+
+
+def test_the_trace_and_timeline_show_the_compiled_graphs_collectives_as_eager_modes():
+    """The compiled graph runs a trace op where each collective is issued and done: the trace
+    holds the same collectives (kind, group, dtype, elements, ranks) as eager shardkit's, each
+    with its completion, and the timeline draws them. All but the all-gathers the partitioner
+    recomputes in backward: it does not recompute an effectful op (the trace op) with them."""
+    from shardkit.comm import timeline
+
+    with fake_world(WORLD) as mesh:
+        torch._dynamo.reset()
+        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True, backend=Recording())
+        model(*batch())[1].backward()  # compiled outside the trace: the records come from the graphs' runs
+        with shardkit.trace() as compiled:
+            model(*batch())[1].backward()
+        eager_model = gpt(shardkit.fully_shard, mesh=mesh)
+        with shardkit.trace() as eager:
+            eager_model(*batch())[1].backward()
+    params = {state.name: len(state.group.params) for state in eager_model._shardkit().schedule.states}
+    presence = lambda e: WORLD * params[e.group] if e.kind == "reduce_scatter" else 0  # noqa: E731
+    describe = lambda e, extra=0: (e.kind, e.group, e.dtype, e.numel - extra, e.world, e.mesh_dim)  # noqa: E731
+    recomputed = Counter({describe(e) for e in eager.collectives("all_gather") if e.group != ""})  # once per block: backward
+    expected = Counter(describe(e, presence(e)) for e in eager.collectives()) - recomputed
+    assert Counter(describe(e) for e in compiled.collectives()) == expected
+    assert all(e.done_ns >= e.t for e in compiled.collectives())
+    drawn = [e for e in timeline.chrome_events([compiled]) if e.get("cat") in ("all_gather", "reduce_scatter")]
+    assert len(drawn) == len(compiled.collectives()) == 6  # 3 all-gathers in forward, 3 reduce-scatters
