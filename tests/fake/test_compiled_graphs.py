@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardkit
 import shardkit.compiled
-from conftest import fake_world
+from tests.conftest import fake_world
 from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard
 from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
