@@ -104,7 +104,7 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
 
     def check(data):
         spec = data.draw(strategies.specs(WORLD), label="spec")
-        commands = data.draw(strategies.sequences(), label="commands")
+        commands = data.draw(strategies.sequences(compiled=spec.compiled_mode), label="commands")
         stats["examples"] += 1
         _send((spec, commands))
         problem = run_example(spec, commands, meshes, stats=stats)

@@ -18,25 +18,31 @@ def own_shard_size(world: int) -> int:
 @st.composite
 def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
-    tied across groups), for the tier that only compares with FSDP2."""
-    mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
+    tied across groups), for the tier that only compares with FSDP2. One in five shards
+    shardkit's side in compiled mode, with only what that mode takes: a 1-D mesh, a bool
+    reshard_after_forward, no weights tied across groups, no mesh of a parameter's own, and no
+    unused Linear (it gets a zero gradient there, which AdamW's weight decay then applies,
+    where the unsharded model's stays None)."""
+    compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
+    mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 and not compiled else ["1d"]))
     shard_size = world // 2 if mesh == "hsdp" else world
-    ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0]  # reshard to R ranks after forward
+    ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0 and not compiled]  # reshard to R ranks after forward
     reshard = draw(st.sampled_from([True, False, *ints]))
     return Spec(
         blocks=draw(st.sampled_from([2, 3])),
         nested=draw(st.booleans()),
         mixed=False if fsdp2_only else draw(st.booleans()),
-        tied=draw(st.sampled_from(["none", "same"] if fsdp2_only else ["none", "same", "across"])),
+        tied=draw(st.sampled_from(["none", "same"] if fsdp2_only or compiled else ["none", "same", "across"])),
         mp=draw(st.booleans()),
         reshard=reshard,
         mesh=mesh,
         foreach=draw(st.booleans()),
-        unused=draw(st.booleans()),
+        unused=not compiled and draw(st.booleans()),
         swap_data=draw(st.booleans()),
         # the blocks' lin.weight on an HSDP mesh of its own, the rest on a 1-D one (an int
         # reshard_after_forward must divide both meshes' shard dims)
-        param_mesh=mesh == "1d" and world % 2 == 0 and (isinstance(reshard, bool) or own_shard_size(world) % reshard == 0) and draw(st.booleans()),
+        param_mesh=mesh == "1d" and world % 2 == 0 and (isinstance(reshard, bool) or own_shard_size(world) % reshard == 0) and not compiled and draw(st.booleans()),
+        compiled_mode=compiled,
     )
 
 
@@ -79,6 +85,26 @@ def commands() -> st.SearchStrategy[tuple]:
     )
 
 
-def sequences(max_size: int = 14) -> st.SearchStrategy[list[tuple]]:
-    """A few knobs set first (where each can matter for the whole sequence), then the calls."""
+def compiled_commands() -> st.SearchStrategy[tuple]:
+    """The calls compiled mode takes: its modules are no FSDPModule (no unshard, reshard,
+    set_* knobs, reset_iter_state). Not ``to_float64``: a group gathers in the dtype it was
+    built with, so after ``.to(torch.float64)`` its forward raises (a dtype mismatch)."""
+    train = st.tuples(st.just("train"), seeds)
+    forward = st.tuples(st.just("forward"), seeds)
+    return st.one_of(
+        train, train, train,
+        forward, forward,
+        st.just(("backward",)), st.just(("backward",)),
+        st.just(("step",)),
+        st.just(("zero_grad",)),
+        st.just(("state_dict_roundtrip",)),
+        st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
+    )
+
+
+def sequences(max_size: int = 14, compiled: bool = False) -> st.SearchStrategy[list[tuple]]:
+    """A few knobs set first (where each can matter for the whole sequence), then the calls;
+    ``compiled``: compiled mode's calls only."""
+    if compiled:
+        return st.lists(compiled_commands(), min_size=1, max_size=max_size)
     return st.builds(lambda knobs, calls: knobs + calls, st.lists(knob_calls(), max_size=3), st.lists(commands(), min_size=1, max_size=max_size))

@@ -39,5 +39,5 @@ def run_example(world: int, spec, commands, verbose: bool = False) -> Run:
 def test_random_call_sequences_issue_fsdp2s_collectives(data):
     world = data.draw(st.sampled_from([2, 4, 8]), label="world")
     spec = data.draw(strategies.specs(world, fsdp2_only=True), label="spec")
-    commands = data.draw(strategies.sequences(), label="commands")
+    commands = data.draw(strategies.sequences(compiled=spec.compiled_mode), label="commands")
     run_example(world, spec, commands)
