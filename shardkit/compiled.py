@@ -61,6 +61,15 @@ class CompiledFSDPModule:
 
     _orig_cls_mro_index = 2  # (FSDPFoo, CompiledFSDPModule, Foo): class_name() reports Foo
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # .to()/.to_empty() replace the sharded parameters' data: the layout follows it
+        result = super()._apply(*args, **kwargs)
+        group = self.__dict__["_shardkit_state"]
+        for p in group.params:
+            p.reset_from_registered()
+        group.make_buckets()
+        return result
+
 
 @dataclass
 class Bucket:
@@ -86,8 +95,12 @@ class CompiledGroup:
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
         self.pg_name, self.world = mesh.get_group().group_name, mesh.size()
+        self.make_buckets()
+
+    def make_buckets(self) -> None:
+        """The parameters by (dtype, param dtype, reduce dtype): one collective each."""
         buckets: dict[tuple, Bucket] = {}
-        for i, p in enumerate(params):
+        for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype)
             bucket = buckets.setdefault(key, Bucket([], [], *key))
             bucket.indices.append(i)

@@ -187,3 +187,14 @@ def test_the_trace_and_timeline_show_the_compiled_graphs_collectives_as_eager_mo
     assert all(e.done_ns >= e.t for e in compiled.collectives())
     drawn = [e for e in timeline.chrome_events([compiled]) if e.get("cat") in ("all_gather", "reduce_scatter")]
     assert len(drawn) == len(compiled.collectives()) == 6  # 3 all-gathers in forward, 3 reduce-scatters
+
+
+def test_to_a_dtype_moves_the_layout_with_the_parameters():
+    """``model.to(torch.float64)``: the groups gather, and reduce, in the new dtype (the sharded
+    parameters' data was replaced; each group re-derives its shards from it, as eager mode)."""
+    with fake_world(WORLD) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh).to(torch.float64)
+        _, loss = model(*batch())
+        loss.backward()
+        assert loss.dtype == torch.float64
+        assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float64}

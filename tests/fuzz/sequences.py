@@ -202,8 +202,10 @@ class Collectives(TorchDispatchMode):
         elif name == "_c10d_functional::all_gather_into_tensor":  # compiled mode's (input, group_size, group_name)
             self.seen.append(("all_gather", args[0].dtype, args[0].numel() * args[1]))
         elif name == "_c10d_functional::reduce_scatter_tensor":  # (input, op, group_size, group_name)
-            # compiled mode sums, then divides by the ranks (as FSDP2's AVG does)
-            self.seen.append(("reduce_scatter", {"sum": "avg"}.get(args[1], args[1])))
+            # compiled mode sums, then divides by the ranks: what FSDP2 reduces with AVG (fp32 and
+            # bf16 on a backend that averages, as the fake one) or with SUM and a division (others)
+            averaged = args[1] == "sum" and args[0].dtype in (torch.float32, torch.bfloat16)
+            self.seen.append(("reduce_scatter", "avg" if averaged else args[1]))
         return func(*args, **kwargs)
 
 

@@ -87,8 +87,7 @@ def commands() -> st.SearchStrategy[tuple]:
 
 def compiled_commands() -> st.SearchStrategy[tuple]:
     """The calls compiled mode takes: its modules are no FSDPModule (no unshard, reshard,
-    set_* knobs, reset_iter_state). Not ``to_float64``: a group gathers in the dtype it was
-    built with, so after ``.to(torch.float64)`` its forward raises (a dtype mismatch)."""
+    set_* knobs, reset_iter_state)."""
     train = st.tuples(st.just("train"), seeds)
     forward = st.tuples(st.just("forward"), seeds)
     return st.one_of(
@@ -99,6 +98,7 @@ def compiled_commands() -> st.SearchStrategy[tuple]:
         st.just(("zero_grad",)),
         st.just(("state_dict_roundtrip",)),
         st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
+        st.just(("to_float64",)),
     )
 
 
