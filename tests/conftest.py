@@ -61,8 +61,7 @@ SPAWNING_PATHS = (  # node id prefixes: tests that spawn in their body or their 
 )
 SLOW_PATHS = (
     "tests/planner/test_plan.py::test_llama_70b_at_world_64_plans_within_30_seconds",  # ~4 s
-    "tests/fake/test_compiled_graphs.py::test_fullgraph",  # torch.compile: ~4 s a model
-    "tests/fake/test_compiled_graphs.py::test_collectives",
+    "tests/fake/test_compiled_graphs.py::test_collectives",  # torch.compile: ~4 s a model
     "tests/fake/test_compiled_graphs.py::test_mixed_precision",
     "tests/fake/test_compiled_graphs.py::test_the_trace",
 )

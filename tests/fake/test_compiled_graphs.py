@@ -94,14 +94,6 @@ def eager_trace(mesh, **kwargs) -> tuple[list, list]:
     return forward, [(e.kind, e.nbytes - presence(e)) for e in t.collectives()]
 
 
-def test_fullgraph_gives_one_forward_and_one_backward_graph_and_no_graph_break():
-    with fake_world(WORLD) as mesh:
-        recording = compiled_step(mesh)
-    assert recording.dynamo_graphs == 1
-    assert [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
-    assert not counters["graph_break"], dict(counters["graph_break"])
-
-
 @pytest.mark.parametrize("reshard, gathered_again", [(None, 2), (True, 3), (False, 0)])
 def test_collectives_and_their_bytes_equal_eager_shardkits(reshard, gathered_again):
     """One all-gather per group in forward; in backward one reduce-scatter per group and the
@@ -111,6 +103,9 @@ def test_collectives_and_their_bytes_equal_eager_shardkits(reshard, gathered_aga
     with fake_world(WORLD) as mesh:
         recording = compiled_step(mesh, **kwargs)
         eager_forward, eager_backward = eager_trace(mesh, **kwargs)
+    # fullgraph=True: one dynamo graph, one forward and one backward graph, no graph break
+    assert recording.dynamo_graphs == 1 and [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
+    assert not counters["graph_break"], dict(counters["graph_break"])
     forward, backward = recording.collectives("forward"), recording.collectives("backward")
     assert Counter(forward) == Counter(eager_forward)
     assert Counter(backward) == Counter(eager_backward)
