@@ -62,9 +62,10 @@ test-fast: $(STAMP)
 # accesses checked and no race ("sim streams: N accesses checked, ..."). Two lanes at once, as
 # gloo ranks wait on each other much of the time and one lane alone leaves a core idle: the
 # tests but the side lane's here, test-sim then the side lane's (the torchrun ones: tests/examples,
-# the pipelining check; the compiled mode's gloo checks, whose torch.compile runs are long) beside
+# the pipelining check; the compiled mode's checks, whose torch.compile runs are long) beside
 # them (their output after), so that both lanes take about as long.
-SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/gloo/test_compiled_mode_tp.py
+SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/gloo/test_compiled_mode_tp.py \
+	tests/fake/test_compiled_graphs.py
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py
