@@ -64,8 +64,7 @@ test-fast: $(STAMP)
 # tests but the side lane's here, test-sim then the side lane's (the torchrun ones: tests/examples,
 # the pipelining check; the compiled mode's checks, whose torch.compile runs are long) beside
 # them (their output after), so that both lanes take about as long.
-SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/gloo/test_compiled_mode_tp.py \
-	tests/fake/test_compiled_graphs.py
+SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/fake/test_compiled_graphs.py
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py

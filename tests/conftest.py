@@ -64,6 +64,7 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_graphs.py::test_collectives",  # torch.compile: ~4 s a model
     "tests/fake/test_compiled_graphs.py::test_mixed_precision",
     "tests/fake/test_compiled_graphs.py::test_the_trace",
+    "tests/fake/test_compiled_graphs.py::test_peak_memory",
 )
 
 

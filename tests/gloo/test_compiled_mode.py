@@ -1,6 +1,6 @@
 """shardkit.compiled on 2 gloo ranks: the demo GPT trained against the unsharded model and
 against eager shardkit, compiled (fullgraph, aot_eager); mixed precision; checkpoints across
-the two modes; peak memory against eager shardkit's. (The mode run without torch.compile is
+the two modes. (Peak memory: tests/fake/test_compiled_graphs.py.) (The mode run without torch.compile is
 in the fuzzer's call sequences, tests/fuzz, against the unsharded model.)
 
 aot_eager runs AOTAutograd's graphs (with the min-cut partitioner inductor uses) op by op, so
@@ -11,16 +11,12 @@ import tempfile
 
 import pytest
 import torch
-from functorch.compile import min_cut_rematerialization_partition
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import boxed_nop
 
 import shardkit
 import shardkit.checkpoint
 import shardkit.compiled
 from gloo_harness import Checks, run_worker
 from gloo_parity import Parity, full, gpt_batches, gpt_loss, small_gpt
-from shardkit.memtrack import MemTracker
 from shardkit.policies import MixedPrecisionPolicy
 
 checks = Checks()
@@ -101,59 +97,6 @@ def a_checkpoint_saved_in_one_mode_loads_in_the_other(mesh, impl):
                 p.optimizer_step()
             assert torch.equal(after[0], after[1]), f"saved by {saver}: the next loss differs"
             assert_same_bits(fresh, trained, f"saved by {saver}, one step after loading")
-
-
-# Peak memory ----------------------------------------------------------------------------------
-_TRACKING: list[MemTracker] = []
-
-
-def _tracked(gm, example_inputs):
-    """aot_eager's compiler, running each graph under the active tracker (dynamo compiles
-    nothing while a dispatch mode is on, so the tracker is entered inside the graphs)."""
-    run = boxed_nop(gm, example_inputs)
-
-    def call(args):
-        if not _TRACKING:
-            return run(args)
-        with _TRACKING[0]:
-            return run(args)
-
-    call._boxed_call = True
-    return call
-
-
-def peak_mib(mesh, mode: str, reshard: bool) -> float:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = small_gpt()
-    shard(mode, mesh, reshard_after_forward=reshard)(model)
-    if mode == "compiled":
-        backend = aot_autograd(fw_compiler=_tracked, bw_compiler=_tracked, partition_fn=min_cut_rematerialization_partition)
-        model = torch.compile(model, backend=backend, fullgraph=True)
-    batch = gpt_batches(1)[0]
-    gpt_loss(model, batch).backward()  # compile (and warm up) outside the tracker
-    tracker = MemTracker().track(model)
-    _TRACKING.append(tracker)
-    try:
-        if mode == "compiled":
-            gpt_loss(model, batch).backward()
-        else:
-            with tracker:
-                gpt_loss(model, batch).backward()
-    finally:
-        _TRACKING.clear()
-    return tracker.peak_bytes / 2**20
-
-
-@checks("shardkit", sim=False)
-def peak_memory_is_at_most_eager_shardkits(mesh, impl):
-    """One step's peak (forward and backward, live tensor bytes): recomputing the all-gathers
-    in backward (reshard_after_forward=True) keeps less than keeping the unsharded parameters,
-    and neither is above eager shardkit's with the same setting."""
-    peaks = {(mode, reshard): peak_mib(mesh, mode, reshard) for mode in MODES for reshard in (True, False)}
-    assert peaks["compiled", True] < peaks["compiled", False], peaks
-    for reshard in (True, False):
-        assert peaks["compiled", reshard] <= peaks["eager", reshard], peaks
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
