@@ -161,6 +161,10 @@ _trace_collective.register_effect(EffectType.ORDERED)
 
 
 def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Recompute the gather in backward; not the trace op, an ordered effect (which AOTAutograd
+    refuses to recompute from torch 2.15 on, and never recomputed before: it has nothing to save)."""
+    if op is torch.ops.shardkit.trace_collective.default or op is torch.ops.higher_order.with_effects:
+        return CheckpointPolicy.PREFER_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
