@@ -62,23 +62,26 @@ def knob_calls() -> st.SearchStrategy[tuple]:
     )
 
 
-def commands() -> st.SearchStrategy[tuple]:
-    """One call. Training calls come most often (a train step is forward, backward and the
-    optimizer step, checked after each), so that sequences reach second and third steps."""
+def _training_calls() -> list[st.SearchStrategy[tuple]]:
+    """Training calls come most often (a train step is forward, backward and the optimizer
+    step, checked after each), so that sequences reach second and third steps."""
     train = st.tuples(st.just("train"), seeds)
     forward = st.tuples(st.just("forward"), seeds)
+    return [train, train, train, forward, forward, st.just(("backward",)), st.just(("backward",)), st.just(("step",)), st.just(("zero_grad",))]
+
+
+STATE_CALLS = [st.just(("state_dict_roundtrip",)), st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0]))]
+
+
+def commands() -> st.SearchStrategy[tuple]:
+    """One call."""
     return st.one_of(
-        train, train, train,
-        forward, forward,
-        st.just(("backward",)), st.just(("backward",)),
-        st.just(("step",)),
-        st.just(("zero_grad",)),
+        *_training_calls(),
         st.tuples(st.just("unshard"), targets, st.sampled_from(UNSHARD_HOWS)),
         st.tuples(st.just("reshard"), targets),
         knob_calls(),
         knob_calls(),
-        st.just(("state_dict_roundtrip",)),
-        st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
+        *STATE_CALLS,
         st.tuples(st.just("raise_in_forward"), seeds),
         st.just(("to_float64",)),
         st.tuples(st.just("pipeline_microbatches"), seeds, st.integers(1, 2)),
@@ -88,18 +91,7 @@ def commands() -> st.SearchStrategy[tuple]:
 def compiled_commands() -> st.SearchStrategy[tuple]:
     """The calls compiled mode takes: its modules are no FSDPModule (no unshard, reshard,
     set_* knobs, reset_iter_state)."""
-    train = st.tuples(st.just("train"), seeds)
-    forward = st.tuples(st.just("forward"), seeds)
-    return st.one_of(
-        train, train, train,
-        forward, forward,
-        st.just(("backward",)), st.just(("backward",)),
-        st.just(("step",)),
-        st.just(("zero_grad",)),
-        st.just(("state_dict_roundtrip",)),
-        st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0])),
-        st.just(("to_float64",)),
-    )
+    return st.one_of(*_training_calls(), *STATE_CALLS, st.just(("to_float64",)))
 
 
 def sequences(max_size: int = 14, compiled: bool = False) -> st.SearchStrategy[list[tuple]]:
