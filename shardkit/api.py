@@ -128,7 +128,7 @@ def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borro
     and make the modules FSDPModules."""
     for original, p in sharded.items():  # later calls may meet the original again (tied weights)
         original._shardkit_shared = (p, state)
-        original._shardkit_replaced = True  # see optim.py: an optimizer holding it warns
+        original._shardkit_replaced = True  # see optim/local_step.py: an optimizer holding it warns
         p.put_on_modules(p.sharded_param)
     for (p, owner), more_slots in borrowed.items():  # weights tied across groups stay in the owner's
         p.add_slots(more_slots, unsharded=owner.group is not None and owner.group.is_unsharded)

@@ -241,7 +241,7 @@ def fully_shard(
     group = CompiledGroup(modules, params, mesh, reshard_after_forward, mp_policy)
     for original, p in zip(slots, params):
         original._shardkit_shared = (p, group)  # a later call meeting it again: tied across calls
-        original._shardkit_replaced = True  # see optim.py: an optimizer holding it warns
+        original._shardkit_replaced = True  # see optim/local_step.py: an optimizer holding it warns
         p.put_on_modules(p.sharded_param)
     accept_full_tensors([(slot, p) for p in params for slot in p.slots])
     for inner in nested:

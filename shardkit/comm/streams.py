@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from shardkit.comm import check, sim, trace
 
-KINDS = trace.COLLECTIVES  # all_gather, reduce_scatter, all_reduce: one side stream each
+KINDS = trace.COLLECTIVES  # all_gather, reduce_scatter, all_reduce, all_to_all: one side stream each
 
 # Copy-in and start one collective with ``async_op``; return its work and the buffers it
 # made, by name (a tensor or a list of them).

@@ -7,7 +7,8 @@ calls and bytes per collective kind. ``comm/timeline.py`` turns the traces of al
 one Perfetto timeline. With no trace active, recording costs one truthiness check.
 
 Events, one line each: ``phase`` (a rule of the schedule fired), ``unshard`` / ``reshard``, a
-collective issued (``all_gather``, ``reduce_scatter``, ``all_reduce``), and ``wait``: the
+collective issued (``all_gather``, ``reduce_scatter``, ``all_reduce``; ``all_to_all`` from a
+matrix optimizer's step, ``shardkit/optim/owners.py``), and ``wait``: the
 runtime waited for a collective and took its results (copy-out, or the gradients handed to
 ``.grad``). Every collective gets exactly one ``wait`` line, so a trace pins when each one is
 finished as well as when it is issued.
@@ -33,7 +34,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # all_to_all: optimizers (shardkit.optim)
 MAX_EVENTS = 1_000_000  # per trace; later events are counted in ``Trace.dropped``, not kept
 
 
@@ -104,10 +105,11 @@ class Trace:
         return [e for e in self.events if e.kind in wanted]
 
     def summary(self) -> dict[str, CollectiveStats]:
-        """Calls, bytes and exposed wait per collective kind (every kind present, zero if unused)."""
-        stats = {kind: CollectiveStats() for kind in COLLECTIVES}
+        """Calls, bytes and exposed wait per collective kind (the model's three kinds always,
+        zero if unused; ``all_to_all`` once an optimizer issued one)."""
+        stats = {kind: CollectiveStats() for kind in COLLECTIVES[:3]}
         for e in self.collectives():
-            s = stats[e.kind]
+            s = stats.setdefault(e.kind, CollectiveStats())
             s.calls += 1
             s.nbytes += e.nbytes
             passes = 2 if e.kind == "all_reduce" or e.detail == "via all_reduce" else 1

@@ -1,4 +1,4 @@
-"""The optimizer swap (shardkit/optim.py): DTensors outside the step, local tensors inside."""
+"""The optimizer swap (shardkit/optim/local_step.py): DTensors outside the step, local tensors inside."""
 
 import pytest
 import torch

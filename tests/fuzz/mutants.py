@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # name: (file, the line as it is, the line as the mutant has it, what it breaks)
 MUTANTS = {
-    "stale-mark-dropped": ("shardkit/optim.py", "group.gathered_version = None", "pass",
+    "stale-mark-dropped": ("shardkit/optim/local_step.py", "group.gathered_version = None", "pass",
                            "an optimizer step no longer marks gathered data stale"),
     "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):", "if averages:",
                                 "the backend averages even when the user's divide factor is not the world"),

@@ -252,7 +252,7 @@ ELEMENTWISE_OPTIMIZERS = [
 
 @checks()
 def elementwise_optimizers_match_reference_and_keep_dtensor_state(mesh, impl):
-    # shardkit steps these on the local shards (shardkit/optim.py); users still see DTensors.
+    # shardkit steps these on the local shards (shardkit/optim/local_step.py); users still see DTensors.
     for optimizer, kwargs in ELEMENTWISE_OPTIMIZERS:
         p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl, optimizer=optimizer, **kwargs)
         p.train(stack_batches(3))
