@@ -203,7 +203,25 @@ def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     if p.tp_spec is None:
         return full
     spec = p.tp_spec
-    return DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    param = DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    return _GradSummedInReduceDtype.apply(param, p.reduce_dtype) if p.reduce_dtype != full.dtype else param
+
+
+class _GradSummedInReduceDtype(torch.autograd.Function):
+    """The identity; in backward, a tensor-parallel ``Partial`` gradient is summed over tp in
+    ``reduce_dtype`` (``from_local``'s backward would sum it in ``param_dtype``), then rounded
+    to ``param_dtype`` once, on its way to the group's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor, reduce_dtype: torch.dtype) -> DTensor:
+        ctx.reduce_dtype, ctx.spec = reduce_dtype, param._spec
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple:
+        if grad.placements != ctx.spec.placements:
+            grad = grad.to(ctx.reduce_dtype).redistribute(ctx.spec.mesh, ctx.spec.placements).to(grad.dtype)
+        return grad, None
 
 
 def fully_shard(

@@ -429,8 +429,8 @@ class ShardedParam:
         if isinstance(grad, DTensor):
             spec = self.tp_spec
             target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, spec.placements)))
-            if grad.placements != target:  # e.g. Partial: reduce over tp first
-                grad = grad.redistribute(spec.mesh, target)
+            if grad.placements != target:  # e.g. Partial: reduce over tp first, summing in reduce_dtype
+                grad = grad.to(self.reduce_dtype).redistribute(spec.mesh, target)
             grad = grad._local_tensor
         return grad
 
