@@ -84,7 +84,9 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def _to_scalar(x: Any) -> Any:
-    return x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
+    # torch.optim's: a 1-element tensor lr stays a (0-d) tensor, so that lr * ratio and
+    # 1 - lr * weight_decay are computed in its dtype, as torch.optim.Muon computes them.
+    return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 else x
 
 
 class Muon(Optimizer):

@@ -68,21 +68,26 @@ def coordinates(mesh: DeviceMesh, pg: dist.ProcessGroup) -> list[tuple[int, ...]
 def pieces(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence, coords: list[tuple[int, ...]], where: str) -> list[Piece]:
     """Each rank's piece of a tensor of ``shape`` placed on ``mesh``, for the ranks at
     ``coords``: DTensor's own split of each placement, applied to positions instead of
-    values, mesh dim by mesh dim as DTensor applies them."""
-    out = []
-    for coord in coords:
-        positions = [torch.arange(n) for n in shape]
-        for dim, p in enumerate(placements):
-            if p.is_partial():
-                raise ValueError(f"{where}: its gradient is Partial on mesh dim {dim}; reduce it before the optimizer step")
-            if not _splits(p):
-                continue
-            view = [1] * len(shape)
-            view[p.dim] = -1
-            chunks, _ = p._split_tensor(positions[p.dim].view(view), mesh.size(dim), with_padding=False)
-            positions[p.dim] = chunks[coord[dim]].reshape(-1) if coord[dim] < len(chunks) else positions[p.dim][:0]
-        out.append(Piece(tuple(_as_slice(ix) for ix in positions), tuple(len(ix) for ix in positions)))
-    return out
+    values, mesh dim by mesh dim as DTensor applies them (each split once per coordinate
+    prefix: linear in the ranks)."""
+    held = {(): [torch.arange(n) for n in shape]}  # coordinate prefix -> positions per tensor dim
+    for dim, p in enumerate(placements):
+        if p.is_partial():
+            raise ValueError(f"{where}: its gradient is Partial on mesh dim {dim}; reduce it before the optimizer step")
+        following = {}
+        for prefix, positions in held.items():
+            chunks = None
+            if _splits(p):
+                view = [1] * len(shape)
+                view[p.dim] = -1
+                chunks, _ = p._split_tensor(positions[p.dim].view(view), mesh.size(dim), with_padding=False)
+            for c in range(mesh.size(dim)):
+                mine = list(positions)
+                if chunks is not None:
+                    mine[p.dim] = chunks[c].reshape(-1) if c < len(chunks) else positions[p.dim][:0]
+                following[prefix + (c,)] = mine
+        held = following
+    return [Piece(tuple(_as_slice(ix) for ix in held[c]), tuple(len(ix) for ix in held[c])) for c in coords]
 
 
 def _splits(p) -> bool:
@@ -157,6 +162,7 @@ class _Bucket:
     pieces: list[list[Piece]]  # per matrix, per rank
     senders: list[list[int]]  # per matrix: the ranks that send the owner its pieces (one per distinct piece)
     numel: int = 0  # full elements of its matrices (the same on every rank: for check mode)
+    name: str = ""  # "bucket 0", in the trace
     send_in: list[int] = field(default_factory=list)  # all-to-all split sizes, per rank
     recv_in: list[int] = field(default_factory=list)
     send_out: list[int] = field(default_factory=list)
@@ -211,14 +217,14 @@ class OwnerCompute:
                 groups.setdefault((m.mesh, m.local.dtype), []).append(i)
         buckets, load = [], {}
         for (mesh, dtype), members in groups.items():
-            pg = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+            pg = _process_group(mesh)
             world = mesh.size()
             mesh_load = load.setdefault(mesh, [0.0] * world)
             chunk, chunk_bytes = [], 0
             for i in members + [None]:
                 nbytes = math.prod(matrices[i].shape) * dtype.itemsize if i is not None else 0
                 if chunk and (i is None or chunk_bytes + nbytes > self.bucket_bytes):
-                    buckets.append(self._bucket(chunk, matrices, mesh, pg, mesh_load))
+                    buckets.append(self._bucket(len(buckets), chunk, matrices, mesh, pg, mesh_load))
                     chunk, chunk_bytes = [], 0
                 if i is not None:
                     chunk.append(i)
@@ -226,7 +232,7 @@ class OwnerCompute:
         self.load = load
         return buckets
 
-    def _bucket(self, index: list[int], matrices: Sequence[Matrix], mesh: DeviceMesh, pg, load: list[float]) -> _Bucket:
+    def _bucket(self, position: int, index: list[int], matrices: Sequence[Matrix], mesh: DeviceMesh, pg, load: list[float]) -> _Bucket:
         world = mesh.size()
         rank = dist.get_group_rank(pg, dist.get_rank())
         coords = coordinates(mesh, pg)
@@ -248,7 +254,7 @@ class OwnerCompute:
             o = coords[owner[j]]
             senders.append([r for r in range(world) if all(coords[r][d] == o[d] for d in replicated)])
             all_pieces.append(ps)
-        bucket = _Bucket(index, mesh, pg, rank, owner, all_pieces, senders, sum(math.prod(matrices[i].shape) for i in index))
+        bucket = _Bucket(index, mesh, pg, rank, owner, all_pieces, senders, sum(math.prod(matrices[i].shape) for i in index), f"bucket {position}")
         bucket.send_in = [sum(ps[rank].numel for j, ps in enumerate(all_pieces) if owner[j] == r and rank in senders[j]) for r in range(world)]
         bucket.recv_in = [sum(ps[r].numel for j, ps in enumerate(all_pieces) if owner[j] == rank and r in senders[j]) for r in range(world)]
         bucket.send_out = [sum(ps[r].numel for j, ps in enumerate(all_pieces) if owner[j] == rank) for r in range(world)]
@@ -299,8 +305,8 @@ class OwnerCompute:
 
     def _all_to_all(self, bucket: _Bucket, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], way: str) -> "_Transfer":
         world = len(send_sizes)
-        name = f"{self.name} {way}"
-        mesh_dim = "*".join(bucket.mesh.mesh_dim_names or ("mesh",))
+        name = f"{self.name} {bucket.name} {way}"
+        mesh_dim = "*".join(bucket.mesh.mesh_dim_names or [f"dim{d}" for d in range(bucket.mesh.ndim)])
         traced = trace.record("all_to_all", name, dtype=send.dtype, numel=send.numel(), world=world, mesh_dim=mesh_dim) if trace.is_recording() else None
         check.before(bucket.pg, "all_to_all", name, send.dtype, bucket.numel, world)  # the same on every rank
         output = send.new_empty(sum(recv_sizes))
@@ -323,6 +329,23 @@ class _Transfer:
     def wait(self) -> torch.Tensor:
         self.handle.wait()
         return self.output
+
+
+_mesh_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # an unnamed n-D mesh's ranks -> their group
+
+
+def _process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One process group over all of ``mesh``'s ranks (the whole mesh, HSDP's replicas too)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if mesh.mesh_dim_names:
+        return mesh._flatten().get_group()
+    if ranks not in _mesh_groups:  # (DeviceMesh flattens named meshes only)
+        _mesh_groups[ranks] = dist.new_group(sorted(ranks), use_local_synchronization=True)
+    return _mesh_groups[ranks]
 
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -135,9 +135,11 @@ def test_fsdp_and_hsdp_reduce_in_reduce_dtype(layout, name):
 def test_full_spmd_and_per_parameter_meshes_reduce_in_reduce_dtype():
     mp = policy("bf16-fp32")
     with fake_world(8, 5):
-        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        # (names of its own: DTensor hands out an equal mesh made earlier in the process, which
+        # FSDP2's identity check in test_spmd_and_moe.py would then refuse)
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicas", "shards", "tp"))
         model = SpmdStack(mesh, n_dp=2)
-        dims = shardkit.DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+        dims = shardkit.DataParallelMeshDims(shard="shards", replicate="replicas")
         for block in model.blocks:
             shardkit.fully_shard(block, mesh=mesh, dp_mesh_dims=dims, mp_policy=mp)
         shardkit.fully_shard(model, mesh=mesh, dp_mesh_dims=dims, mp_policy=mp)
