@@ -39,6 +39,7 @@ demo: $(STAMP)
 
 # shardkit next to FSDP2, DDP and a local model on 2 CPU ranks; make bench ARGS=--quick for a short run.
 # make bench ARGS=--scaling: how the cost grows with the world and the model (benchmarks/scaling.py).
+# make bench ARGS=--muon: shardkit.optim.Muon next to torch.optim.Muon alone (benchmarks/muon_bench.py).
 bench: $(STAMP) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/bench.py $(ARGS)
 
@@ -67,7 +68,8 @@ test-fast: $(STAMP)
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/fake/test_compiled_graphs.py
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
-	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py
+	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py \
+	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py
 
 test: $(STAMP)
 	@log=$$(mktemp); \

@@ -215,6 +215,8 @@ class Muon(Optimizer):
     def _orthogonalize_all(self, full: torch.Tensor, opt_group: dict) -> torch.Tensor:
         if full.dim() == 2:
             return self.orthogonalize(full, opt_group)
+        if len(full) == 0:  # a rank holding no expert of this weight
+            return full.new_empty(full.shape, dtype=self.result_dtype)
         return torch.stack([self.orthogonalize(expert, opt_group) for expert in full])  # (E, M, N): each expert
 
     def _apply(self, p: torch.Tensor, update: torch.Tensor, opt_group: dict) -> None:
