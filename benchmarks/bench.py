@@ -27,6 +27,14 @@ pay, written out in this file with no hooks and no DTensor (class Floor): the pl
 per block, the copy-in, all-gather and copy-out twice (forward, and again for backward) and
 the padded gradient copy-in and reduce-scatter. shardkit/floor is the runtime's own cost.
 
+Part 3, Muon (benchmarks/muon_bench.py): shardkit.optim.Muon's step on 8 sharded
+Linear(256, 256) weights next to torch.optim.Muon on the same DTensors and on the unsharded
+weights in one process, 2 gloo ranks: step time, collectives, and the largest difference from
+the one-process parameters after 5 steps; then the same on HSDP 2 x 2 (4 ranks, 128-wide).
+--quick: the 2-rank layout only, 128-wide.
+
+    --muon      part 3 alone (the other flags go to muon_bench.py: --quick, --skip-hsdp, --json, ...)
+    --skip-muon the parts before it only
     --compile   part 1 again with every block torch.compile'd, side by side with eager, and a
                 fifth implementation: shardkit's compiled mode (shardkit.compiled.fully_shard, the
                 whole model torch.compile'd with fullgraph=True: one graph, collectives in it)
@@ -94,6 +102,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--float8", action="store_true", help="the blocks' Linear layers as torchao float8 (1-byte all-gathers); needs torchao")
     parser.add_argument("--compile", action="store_true", help="run part 1 twice, eager and with every block torch.compile'd (inductor), side by side")
     parser.add_argument("--scaling", action="store_true", help="how the cost grows with the world and the model instead (benchmarks/scaling.py)")
+    parser.add_argument("--muon", action="store_true", help="part 3 alone: shardkit.optim.Muon next to torch.optim.Muon (benchmarks/muon_bench.py)")
+    parser.add_argument("--skip-muon", action="store_true")
     parser.add_argument("--only-overhead", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
@@ -551,6 +561,10 @@ def print_compiled(console: Console, eager: dict, compiled: dict) -> None:
 
 
 def main() -> int:
+    if "--muon" in sys.argv[1:]:  # before our parser: muon_bench.py has flags of its own
+        import muon_bench  # benchmarks/muon_bench.py, next to this file
+
+        return muon_bench.main([a for a in sys.argv[1:] if a != "--muon"])
     args = parse_args()
     if args.scaling:
         import scaling  # benchmarks/scaling.py, next to this file
@@ -569,6 +583,10 @@ def main() -> int:
     if not args.skip_overhead:
         results["overhead"] = run_overhead(args)  # after the ranks have exited: no gloo group here
         print_overhead(console, results["overhead"])
+    if not (args.skip_muon or args.only_overhead):
+        import muon_bench  # part 3, in its own ranks
+
+        results["muon"] = muon_bench.run(muon_bench.parse_args(["--quick", "--skip-hsdp"] if args.quick else []), console)
     console.print(f"wall time {time.perf_counter() - start:.1f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -9,6 +9,10 @@ group. At the end rank 0 prints, per rank, the bytes of parameters it holds, the
 per step, how long it waited on them, its peak memory, and whether the loss fell (the exit
 status says so too), and writes a timeline of the last steps of every rank (runs/timeline.json,
 open it at https://ui.perfetto.dev).
+
+With --optim muon the blocks' 2-D hidden weight matrices are stepped by shardkit.optim.Muon
+(each matrix orthogonalized once in the mesh, on an owner rank: two all-to-alls per step) and
+everything else (embeddings, the tied head, LayerNorms, biases) by AdamW, the usual recipe.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import shardkit
+import shardkit.optim
 from shardkit.comm.trace import CollectiveStats, Trace
 from shardkit.models import GPT, GPTConfig, apply_fully_shard
 
@@ -51,7 +56,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    parser.add_argument("--optim", choices=("adamw", "muon"), default="adamw",
+                        help="muon: shardkit.optim.Muon for the blocks' weight matrices, AdamW for the rest")
+    parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a plain-text file")
     parser.add_argument("--timeline", default=str(DEFAULT_TIMELINE),
@@ -119,8 +127,21 @@ def out_of_time(deadline: float | None, device: torch.device) -> bool:
     return bool(late.item())
 
 
-def train(model: GPT, data: torch.Tensor, args: argparse.Namespace, progress: Progress | None) -> TrainResult:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+def make_optimizers(model: GPT, args: argparse.Namespace) -> list[torch.optim.Optimizer]:
+    """AdamW for every parameter; or, with --optim muon, Muon for the blocks' 2-D hidden weight
+    matrices and AdamW for the rest (embeddings, the head, LayerNorms, biases). The head's
+    weight is the token embedding's (tied): named_parameters() lists it once, as tok_emb.weight,
+    outside the blocks, so AdamW steps it, once."""
+    if args.optim == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)]
+    hidden = [p for name, p in model.named_parameters() if name.startswith("blocks.") and p.ndim == 2]
+    held = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in held]
+    return [shardkit.optim.Muon(hidden, lr=args.muon_lr, momentum=0.95, weight_decay=0.0),
+            torch.optim.AdamW(rest, lr=args.lr, weight_decay=0.0)]
+
+
+def train(model: GPT, optimizers: list, data: torch.Tensor, args: argparse.Namespace, progress: Progress | None) -> TrainResult:
     # The model starts identical everywhere; the data must not, or data parallelism is pointless.
     generator = torch.Generator().manual_seed(args.seed + 1 + dist.get_rank())
     tokens_per_step = args.batch_size * args.block_size * dist.get_world_size()
@@ -134,8 +155,9 @@ def train(model: GPT, data: torch.Tensor, args: argparse.Namespace, progress: Pr
             x, y = get_batch(data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
             _, loss = model(x, y)
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             result.losses.append(loss.item())
             t.resolve()  # CUDA: when the step's collectives completed (a no-op on the CPU)
             add_stats(result.collectives, t.summary())
@@ -168,6 +190,7 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
         "sharded_mb": sharded_bytes / MiB,
         "all_gather": per_step.get("all_gather", (0, 0.0)),
         "reduce_scatter": per_step.get("reduce_scatter", (0, 0.0)),
+        "all_to_all": per_step.get("all_to_all", (0, 0.0)),  # Muon's (--optim muon)
         "waited_ms": sum(s.exposed_ns for s in result.collectives.values()) / result.steps / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
         "loss_window": window,
@@ -180,14 +203,17 @@ def print_report(console: Console, rows: list[dict], result: TrainResult, first:
     table = Table(title=f"shardkit: {result.steps} steps in {result.seconds:.1f} s",
                   caption="collective MiB: the unsharded-side buffer; each rank sends (world - 1) / world of it "
                           "(on gloo the reduce-scatter runs as an all-to-all and a local sum: the same bytes); "
-                          "waited on comm: time a hook blocked on a collective that compute did not hide")
+                          "waited on comm: time a hook (or the optimizer) blocked on a collective that compute did not hide")
+    all_to_all = any(row["all_to_all"][0] for row in rows)  # only an optimizer's (Muon) issues them
     for header in ["rank", "sharded\nparams", "all-\ngather\nper step", "reduce-\nscatter\nper step",
+                   *(["all-to-\nall\nper step"] if all_to_all else []),
                    "waited on\ncomm\nper step", "peak\nRSS", "first\nloss", "last\nloss"]:
         table.add_column(header, justify="right")
     for row in rows:
         table.add_row(
             str(row["rank"]), f"{row['sharded_mb']:.2f} MiB",
             _calls_and_size(*row["all_gather"]), _calls_and_size(*row["reduce_scatter"]),
+            *([_calls_and_size(*row["all_to_all"])] if all_to_all else []),
             f"{row['waited_ms']:.1f} ms", f"{row['peak_rss_mb']:.0f} MiB", f"{row['first_loss']:.3f}", f"{row['last_loss']:.3f}",
         )
     console.print(table)
@@ -203,7 +229,8 @@ def _calls_and_size(calls: float, mebibytes: float) -> str:
 def run(args: argparse.Namespace, device: torch.device) -> bool:
     """Build, shard, train and report; True if the loss fell."""
     is_main = dist.get_rank() == 0
-    console = Console()
+    # Piped output (make demo | tee, the tests) would otherwise wrap the table at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     data, vocab = load_corpus(args.data, device)
     config = GPTConfig(vocab_size=len(vocab), block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
@@ -214,18 +241,21 @@ def run(args: argparse.Namespace, device: torch.device) -> bool:
     # We pass the mesh: left to itself, fully_shard would pick the accelerator even under gloo.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     apply_fully_shard(model, shardkit.fully_shard, mesh=mesh)
+    optimizers = make_optimizers(model, args)  # after fully_shard: they hold the sharded parameters
     if is_main:
         console.print(f"GPT: {total_params:,} parameters, vocab {len(vocab)}, {config}")
         console.print(f"{dist.get_world_size()} ranks on {device.type} ({dist.get_backend()}), "
                       f"batch {args.batch_size} x {args.block_size} tokens per rank")
+        console.print("optimizers: " + " + ".join(f"{type(o).__name__} ({sum(len(g['params']) for g in o.param_groups)} "
+                                                  f"parameters, lr {o.defaults['lr']:g})" for o in optimizers))
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tokens]:,.0f} tok/s")]
     if is_main:
         with Progress(*columns, console=console) as progress:
-            result = train(model, data, args, progress)
+            result = train(model, optimizers, data, args, progress)
     else:
-        result = train(model, data, args, None)
+        result = train(model, optimizers, data, args, None)
 
     row = rank_row(model, result)
     rows: list[dict] = [{} for _ in range(dist.get_world_size())]

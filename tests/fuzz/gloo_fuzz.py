@@ -61,6 +61,7 @@ def run_example(spec: Spec, commands: list[tuple], meshes: dict, verbose: bool =
         torch_side = run.sides[1]
         why = "compared to the end" if torch_side.alive else re.sub(r"^\(.*?\): ", "", torch_side.why_out)[:90]
         stats["fsdp2"][why] = stats["fsdp2"].get(why, 0) + 1
+        stats["optim"][spec.optim] = stats["optim"].get(spec.optim, 0) + 1
     if verbose and dist.get_rank() == 0:
         for side in run.sides:
             print(f"  {side.impl}: {'compared to the end' if side.alive else 'out: ' + side.why_out}")
@@ -100,7 +101,7 @@ def follow(meshes: dict) -> None:
 def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> dict:
     from tests.fuzz import strategies
 
-    stats = {"examples": 0, "first_failure_at": None, "rounds": 0, "seeds": [], "failure": None, "calls": 0, "skipped": 0, "fsdp2": {}}
+    stats = {"examples": 0, "first_failure_at": None, "rounds": 0, "seeds": [], "failure": None, "calls": 0, "skipped": 0, "fsdp2": {}, "optim": {}}
 
     def check(data):
         spec = data.draw(strategies.specs(WORLD), label="spec")

@@ -61,6 +61,11 @@ MUTANTS = {
                               "compiled mode divides its reduced gradients by twice the ranks"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
+    "muon-owner-sends-its-own-rows": ("shardkit/optim/owners.py", "parts.extend(take(result, bucket.pieces[j][r]).reshape(-1) for j, result in results)",
+                                      "parts.extend(take(result, bucket.pieces[j][bucket.rank]).reshape(-1) for j, result in results)",
+                                      "Muon's owner sends every rank its own rows of each update"),
+    "muon-nesterov-dropped": ("shardkit/optim/muon.py", 'update = g.lerp(buf, momentum) if opt_group["nesterov"] else buf', "update = buf",
+                              "Muon orthogonalizes the momentum without the Nesterov blend"),
 }
 
 PY = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
