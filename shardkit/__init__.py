@@ -7,6 +7,7 @@ Switch with one import line::
 
 from shardkit import checkpoint
 from shardkit.api import ShardPlacementResult, fully_shard
+from shardkit.clip import clip_grad_norm_, grad_norm
 from shardkit.comm.check import CollectiveMismatch, check_collectives
 from shardkit.comm import timeline
 from shardkit.comm.trace import Trace, trace
@@ -28,6 +29,8 @@ __all__ = [
     "DataParallelMeshDims",
     "share_comm_ctx",
     "ShardPlacementResult",
+    "clip_grad_norm_",
+    "grad_norm",
     "trace",
     "Trace",
     "timeline",

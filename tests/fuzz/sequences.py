@@ -136,10 +136,12 @@ class Optimizers:
         matrices = [p for n, p in params.items() if spec.optim == "muon" and p.ndim == 2 and n != "emb.weight"]
         rest = [p for p in params.values() if not any(p is m for m in matrices)]
         self.all = [torch.optim.AdamW(rest, lr=LR, foreach=spec.foreach)]
+        self.muon: torch.optim.Optimizer | None = None
         if matrices:
             from shardkit.optim import Muon
 
-            self.all.append((torch.optim.Muon if reference else Muon)(matrices, lr=LR))
+            self.muon = (torch.optim.Muon if reference else Muon)(matrices, lr=LR)
+            self.all.append(self.muon)
 
     def step(self) -> None:
         for optim in self.all:
@@ -148,6 +150,23 @@ class Optimizers:
     def zero_grad(self) -> None:
         for optim in self.all:
             optim.zero_grad()
+
+
+def torch_muon_step(muon: torch.optim.Optimizer) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Before a sharded Muon's step: each of its parameters with what ``torch.optim.Muon``'s
+    step makes of it, run here on the full parameter, gradient and momentum (gathered). The
+    sharded step must give exactly that (fp32 and fp64 alike): the one-step check that the
+    comparison with the reference cannot make tightly (see ``Run.tolerance``)."""
+    held = [p for opt_group in muon.param_groups for p in opt_group["params"]]
+    full = [_full(p).clone() for p in held]
+    hyper = {k: v for k, v in muon.param_groups[0].items() if k != "params"}
+    one = torch.optim.Muon(full, **hyper)
+    for p, q in zip(held, full):
+        q.grad = None if p.grad is None else _full(p.grad).clone()
+        if "momentum_buffer" in muon.state.get(p, {}):
+            one.state[q]["momentum_buffer"] = _full(muon.state[p]["momentum_buffer"]).clone()
+    one.step()
+    return list(zip(held, full))
 
 
 # The two implementations' API ----------------------------------------------------------------
@@ -272,6 +291,7 @@ class Side:
     alive: bool = True  # False once it rejected a call (FSDP2) or disagreed with the reference
     why_out: str = ""
     seen: list = field(default_factory=list)  # collectives of the last call
+    muon_expected: list = field(default_factory=list)  # after a step: torch_muon_step's (parameter, full value)
 
 
 class Failure(AssertionError):
@@ -435,6 +455,8 @@ class Run:
             self._check_collectives(cmd)
         if not self.numerics:
             return
+        if cmd[0] == "step":
+            self._check_muon_step(cmd)
         tol = self.tolerance()
         if cmd[0] == "forward" and self.ref_loss is not None:
             for side in self.live_sides():
@@ -463,6 +485,18 @@ class Run:
                         continue
                     self._compare(side, f"gradient {name}", got, want, tol)
         self._compare_with_fsdp2(cmd)
+
+    def _check_muon_step(self, cmd: tuple) -> None:
+        """shardkit.optim.Muon's step, on either side's parameters, is torch.optim.Muon's on
+        the gathered tensors, bit for bit (a failure on FSDP2's side too is shardkit's)."""
+        for side in self.live_sides():
+            for p, want in side.muon_expected:
+                got = _full(p)
+                if not torch.equal(got, want):
+                    d = (got.double() - want.double()).abs().max().item()
+                    raise Failure(f"{cmd}: shardkit.optim.Muon on {side.impl}'s parameter of shape {list(p.shape)}: "
+                                  f"{d:.3g} from torch.optim.Muon's step on the gathered tensors")
+            side.muon_expected = []
 
     def tolerance(self) -> dict:
         """How far from the reference a value may be: ``atol + rtol * |reference|``, elementwise,
@@ -602,6 +636,7 @@ class Run:
         if dry:
             return self.grads_complete()
         if side is not None:
+            side.muon_expected = torch_muon_step(side.optim.muon) if self.numerics and side.optim.muon else []
             side.optim.step()
             side.optim.zero_grad()
             return True
