@@ -69,7 +69,7 @@ SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_com
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py \
-	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py
+	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py tests/gloo/test_clip_four_ranks.py
 
 test: $(STAMP)
 	@log=$$(mktemp); \
