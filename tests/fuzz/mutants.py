@@ -66,6 +66,12 @@ MUTANTS = {
                                       "Muon's owner sends every rank its own rows of each update"),
     "muon-nesterov-dropped": ("shardkit/optim/muon.py", 'update = g.lerp(buf, momentum) if opt_group["nesterov"] else buf', "update = buf",
                               "Muon orthogonalizes the momentum without the Nesterov blend"),
+    "tp-partial-grad-not-cast": ("shardkit/dtensor/sharded_param.py", "grad = grad.to(self.reduce_dtype).redistribute(spec.mesh, target)",
+                                 "grad = grad.redistribute(spec.mesh, target)",
+                                 "a Partial tensor-parallel gradient is summed over tp in param_dtype, not reduce_dtype"),
+    "reduce-scatter-in-param-dtype": ("shardkit/comm/buckets.py", "by_dtype.setdefault(p.reduce_dtype, []).append(p)",
+                                      "by_dtype.setdefault(p.param_dtype, []).append(p)",
+                                      "gradients are reduce-scattered in param_dtype, not reduce_dtype"),
 }
 
 PY = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]

@@ -11,7 +11,8 @@ batch), and executes each call on all of them. After every call it checks:
   reference itself;
 - collectives (every process group): the ops issued during the call, seen below torch's
   dispatcher (``c10d`` ops), against FSDP2's: the all-gathers' count and sizes, the
-  reductions' count and ``ReduceOp``s;
+  reductions' count and ``ReduceOp``s; and shardkit's alone against the dtype audit's rule
+  (tests/dtype_audit.py): no collective that sums gradients runs below the reduce dtype;
 - errors: a call shardkit rejects and FSDP2 accepts is a failure (a case FSDP2 handles).
 
 The model of the calls' effects the checks need (which gradients are complete, the divide
@@ -35,6 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.dtype_audit import Audit
 
 DIM, VOCAB, BATCH, SEQ = 8, 16, 4, 3
 TARGETS = ("", "blocks.0", "blocks.1")  # the root and two groups every model has
@@ -419,10 +422,14 @@ class Run:
             self.log.append(f"{cmd}: skipped (precondition)")
             return
         outcomes: dict[str, BaseException | None] = {}
+        audits: dict[str, Any] = {}
         for side in self.live_sides():
             recorder = Collectives(optimizer_step=name == "step") if self.compare_collectives else contextlib.nullcontext()
+            # shardkit's side alone: the dtype audit holds whatever FSDP2 does (checked below)
+            audit = Audit(*self.meshes.values(), all_to_all_sums=name != "step") if side.impl == "shardkit" else contextlib.nullcontext()
+            audits[side.impl] = audit
             try:
-                with recorder:
+                with recorder, audit:
                     method(*args, side=side)
                 outcomes[side.impl] = None
             except Boom:
@@ -435,6 +442,7 @@ class Run:
         else:
             method(*args, side=None, reference=False)
         self._judge_errors(cmd, outcomes)
+        self._check_reduce_dtype(cmd, audits.get("shardkit"))
         self.log.append(f"{cmd}: ok")
         self.check(cmd)
 
@@ -545,6 +553,16 @@ class Run:
                 bound = FSDP2_TOLERANCE * (1 if not self.spec.mp else 100) * max(1.0, b.double().abs().max().item())
                 if d > bound:
                     raise Failure(f"{cmd}: {what} differs from FSDP2's by {d:.3g} (both agree with the reference within its tolerance)")
+
+    def _check_reduce_dtype(self, cmd: tuple, audit) -> None:
+        """The dtype audit (tests/dtype_audit.py) on shardkit's collectives of this call: none that
+        sums gradients runs below the reduce dtype (the policy's fp32, else the model's dtype)."""
+        if isinstance(audit, Audit):
+            reduce_dtype = torch.float32 if self.spec.mp else self.dtype
+            try:
+                audit.assert_sums_in(reduce_dtype, what=f"{cmd}")
+            except AssertionError as e:
+                raise Failure(str(e)) from None
 
     def _check_collectives(self, cmd: tuple) -> None:
         if len(self.live_sides()) < 2 or self.lockstep:
