@@ -15,6 +15,9 @@ job needs around them:
 - ``full_state_dict`` / ``load_full_state_dict``: plain full tensors on rank 0 (for
   ``torch.save`` or safetensors), gathered and scattered one parameter at a time, so no rank
   ever holds more than one full parameter beyond its shards.
+- ``load_pretrained`` / ``save_pretrained`` (``pretrained.py``): safetensors in the Hugging
+  Face layout, read straight into the shards (each rank reads only what it holds) and
+  written back with each tensor whole on one rank only.
 
 See docs/checkpointing.md for recipes.
 """
@@ -46,9 +49,11 @@ from shardkit.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from shardkit.checkpoint.manifest import MARKER, latest
+from shardkit.checkpoint.pretrained import load_pretrained, save_pretrained
 
 __all__ = [
-    "save", "load", "latest", "read_marker", "full_state_dict", "load_full_state_dict", "MARKER", "CheckpointError",
+    "save", "load", "latest", "read_marker", "full_state_dict", "load_full_state_dict", "load_pretrained", "save_pretrained",
+    "MARKER", "CheckpointError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "ModelMismatchError",
 ]
 _FAILURES = (Exception, CheckpointException)  # torch's CheckpointException is a BaseException

@@ -202,6 +202,22 @@ class OwnerCompute:
             self._unpack_out(bucket, transfer.wait(), out)
         return out
 
+    def gather(self, matrices: Sequence[Matrix], fn: Callable[[int, torch.Tensor], None]) -> None:
+        """The first half of ``map``: ``fn(i, full_i)`` runs on each matrix's owner, nothing
+        comes back (``shardkit.checkpoint.save_pretrained`` writes each full tensor there).
+        Matrices held whole are left to the caller."""
+        buckets = self._plan(matrices)
+        incoming = self._send_in(buckets[0], matrices) if buckets else None
+        for b, bucket in enumerate(buckets):
+            following = self._send_in(buckets[b + 1], matrices) if b + 1 < len(buckets) else None
+            self._compute(bucket, matrices, incoming, fn)
+            incoming = following
+
+    def owned_here(self, matrices: Sequence[Matrix]) -> list[int]:
+        """The matrices this rank owns (not those held whole), in the order ``gather`` and
+        ``map`` run ``fn`` on them."""
+        return [i for bucket in self._plan(matrices) for j, i in enumerate(bucket.index) if bucket.owner[j] == bucket.rank]
+
     # Plan ---------------------------------------------------------------------------------
     def _plan(self, matrices: Sequence[Matrix]) -> list[_Bucket]:
         key = tuple((m.shape, m.local.dtype, m.mesh, m.placements) for m in matrices)
