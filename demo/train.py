@@ -13,6 +13,12 @@ open it at https://ui.perfetto.dev).
 With --optim muon the blocks' 2-D hidden weight matrices are stepped by shardkit.optim.Muon
 (each matrix orthogonalized once in the mesh, on an owner rank: two all-to-alls per step) and
 everything else (embeddings, the tied head, LayerNorms, biases) by AdamW, the usual recipe.
+
+The gradients' total norm is clipped to --clip (shardkit.clip_grad_norm_: one all-reduce a
+step). --save-pretrained DIR writes the trained weights in the Hugging Face layout (safetensors
+files and an index, each tensor gathered whole on one rank only); --pretrained DIR starts from
+such weights: the model is built on the meta device, sharded, and each rank reads only its own
+rows of each tensor from the files (shardkit.checkpoint.load_pretrained).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import shardkit
+import shardkit.checkpoint
 import shardkit.optim
 from shardkit.comm.trace import CollectiveStats, Trace
 from shardkit.models import GPT, GPTConfig, apply_fully_shard
@@ -61,6 +68,10 @@ def parse_args() -> argparse.Namespace:
                         help="muon: shardkit.optim.Muon for the blocks' weight matrices, AdamW for the rest")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clip", type=float, default=1.0, help="clip the gradients' total norm to this (0: don't)")
+    parser.add_argument("--pretrained", type=Path, default=None,
+                        help="start from these weights: a safetensors file or a folder (one --save-pretrained wrote)")
+    parser.add_argument("--save-pretrained", type=Path, default=None, help="write the trained weights to this folder (safetensors)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a plain-text file")
     parser.add_argument("--timeline", default=str(DEFAULT_TIMELINE),
                         help=f"write the last {TIMELINE_STEPS} steps of every rank here as a Perfetto timeline (\"\": don't)")
@@ -100,6 +111,8 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: t
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # this rank's loss per step
+    grad_norms: list[float] = field(default_factory=list)  # the total gradient norm per step, before clipping
+    clip: float = 0.0  # what it was clipped to
     seconds: float = 0.0
     collectives: dict[str, CollectiveStats] = field(default_factory=dict)  # summed over steps
     trace: Trace | None = None  # the events of the last TIMELINE_STEPS steps
@@ -146,7 +159,7 @@ def train(model: GPT, optimizers: list, data: torch.Tensor, args: argparse.Names
     generator = torch.Generator().manual_seed(args.seed + 1 + dist.get_rank())
     tokens_per_step = args.batch_size * args.block_size * dist.get_world_size()
     task = progress.add_task("training", total=args.steps, loss=math.nan, tokens=0.0) if progress else None
-    result = TrainResult()
+    result = TrainResult(clip=args.clip)
     start = time.perf_counter()
     deadline = start + args.max_seconds if args.max_seconds else None
     recent: deque[list] = deque(maxlen=TIMELINE_STEPS)  # the events of the last steps, per step
@@ -155,6 +168,8 @@ def train(model: GPT, optimizers: list, data: torch.Tensor, args: argparse.Names
             x, y = get_batch(data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
             _, loss = model(x, y)
             loss.backward()
+            if args.clip > 0:  # over every parameter of every rank: the same number on all ranks
+                result.grad_norms.append(shardkit.clip_grad_norm_(model.parameters(), args.clip).item())
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -194,6 +209,7 @@ def rank_row(model: GPT, result: TrainResult) -> dict:
         "waited_ms": sum(s.exposed_ns for s in result.collectives.values()) / result.steps / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
         "loss_window": window,
+        "step1_loss": result.losses[0],
         "first_loss": sum(result.losses[:window]) / window,
         "last_loss": sum(result.losses[-window:]) / window,
     }
@@ -219,7 +235,12 @@ def print_report(console: Console, rows: list[dict], result: TrainResult, first:
     console.print(table)
     verdict = "[green]the loss fell[/]" if last < first else "[red]the loss did NOT fall[/]"
     window = rows[0]["loss_window"]
-    console.print(f"mean loss over ranks, first {window} steps {first:.3f}, last {window} steps {last:.3f}: {verdict}")
+    step1 = sum(row["step1_loss"] for row in rows) / len(rows)
+    console.print(f"mean loss over ranks: step 1 {step1:.3f}; first {window} steps {first:.3f}, last {window} steps {last:.3f}: {verdict}")
+    if result.grad_norms:
+        clipped = sum(n > result.clip for n in result.grad_norms)
+        console.print(f"gradient norm: {result.grad_norms[0]:.3f} at the first step, {result.grad_norms[-1]:.3f} at the last; "
+                      f"clipped to {result.clip:g} in {clipped} of {len(result.grad_norms)} steps")
 
 
 def _calls_and_size(calls: float, mebibytes: float) -> str:
@@ -234,13 +255,20 @@ def run(args: argparse.Namespace, device: torch.device) -> bool:
     data, vocab = load_corpus(args.data, device)
     config = GPTConfig(vocab_size=len(vocab), block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
-    # Every rank builds the same full model from the same seed; fully_shard keeps each rank's rows.
-    torch.manual_seed(args.seed)
-    model = GPT(config).to(device)
+    if args.pretrained:  # no weights yet: the files give them, each rank only its rows
+        with torch.device("meta"):
+            model = GPT(config)
+    else:  # every rank builds the same full model from the same seed; fully_shard keeps each rank's rows
+        torch.manual_seed(args.seed)
+        model = GPT(config).to(device)
     total_params = sum(p.numel() for p in model.parameters())  # the tied weight counts once
     # We pass the mesh: left to itself, fully_shard would pick the accelerator even under gloo.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     apply_fully_shard(model, shardkit.fully_shard, mesh=mesh)
+    if args.pretrained:
+        shardkit.checkpoint.load_pretrained(model, str(args.pretrained))
+        if is_main:
+            console.print(f"weights from {args.pretrained}: each rank read only its rows")
     optimizers = make_optimizers(model, args)  # after fully_shard: they hold the sharded parameters
     if is_main:
         console.print(f"GPT: {total_params:,} parameters, vocab {len(vocab)}, {config}")
@@ -266,6 +294,10 @@ def run(args: argparse.Namespace, device: torch.device) -> bool:
         print_report(console, rows, result, first, last)
     if args.timeline:
         write_timeline(console, result, Path(args.timeline))
+    if args.save_pretrained:
+        shardkit.checkpoint.save_pretrained(model, str(args.save_pretrained))
+        if is_main:
+            console.print(f"weights written to {args.save_pretrained} (safetensors; start from them with --pretrained)")
     return last < first
 
 

@@ -205,6 +205,12 @@ def shard(model: Net, spec: Spec, impl: str, mesh, meshes: dict | None = None) -
     fully_shard(model, **kwargs)
 
 
+def shardkit_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    from shardkit import clip_grad_norm_
+
+    return clip_grad_norm_(params, max_norm)
+
+
 def groups_of(model: nn.Module) -> dict[str, nn.Module]:
     """Every fully_shard'ed module by FQN (either implementation's FSDPModule, or compiled mode's)."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -295,6 +301,7 @@ class Side:
     why_out: str = ""
     seen: list = field(default_factory=list)  # collectives of the last call
     muon_expected: list = field(default_factory=list)  # after a step: torch_muon_step's (parameter, full value)
+    clip_norm: torch.Tensor | None = None  # what the last clip_grad_norm_ returned
 
 
 class Failure(AssertionError):
@@ -413,8 +420,9 @@ class Run:
             self.unwaited.clear()
         elif name == "unshard":
             (self.unwaited.add if args[1] == "async_no_wait" else self.unwaited.discard)(args[0])
-        if name == "train":  # forward, backward and the optimizer step, checked after each
-            for part in (("forward", *args), ("backward",), ("step",)):
+        if name == "train":  # forward, backward, (clip_grad_norm_,) the optimizer step, checked after each
+            seed, *clip = args
+            for part in (("forward", seed), ("backward",), *(("clip", c) for c in clip), ("step",)):
                 self.execute(part)
             return
         method = getattr(self, f"do_{name}")
@@ -666,6 +674,28 @@ class Run:
             self.ref_optim.step()
             self.ref_optim.zero_grad()
         self.muon_steps += self.spec.optim == "muon"
+        return True
+
+    def do_clip(self, max_norm: float, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """``shardkit.clip_grad_norm_`` on either side's parameters (FSDP2's too: torch's own
+        clip raises on a mix of meshes); the reference clips by torch's formula on its
+        gradients as the sharded side holds them (x ``grad_scale``), so that the norms and the
+        clipped gradients compare."""
+        if dry:
+            return self.idle()
+        if side is not None:
+            side.clip_norm = shardkit_clip(list(side.params.values()), max_norm)
+            return True
+        if not reference:
+            return True
+        grads = [(p, self.grad_scale(name)) for name, p in self.ref_params.items() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad * scale for p, scale in grads]) if grads else torch.tensor(0.0)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for p, _ in grads:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        for side in self.live_sides():
+            self._compare(side, "clip_grad_norm_'s total norm", side.clip_norm.detach().double(), norm.detach().double(), self.tolerance())
         return True
 
     def do_zero_grad(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

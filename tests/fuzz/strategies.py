@@ -68,11 +68,13 @@ def _training_calls() -> list[st.SearchStrategy[tuple]]:
     """Training calls come most often (a train step is forward, backward and the optimizer
     step, checked after each), so that sequences reach second and third steps."""
     train = st.tuples(st.just("train"), seeds)
+    clipped = st.tuples(st.just("train"), seeds, st.sampled_from([0.01, 1000.0]))  # clip_grad_norm_ before the step
     forward = st.tuples(st.just("forward"), seeds)
-    return [train, train, train, forward, forward, st.just(("backward",)), st.just(("backward",)), st.just(("step",)), st.just(("zero_grad",))]
+    return [train, train, clipped, forward, forward, st.just(("backward",)), st.just(("backward",)), st.just(("step",)), st.just(("zero_grad",))]
 
 
 STATE_CALLS = [st.just(("state_dict_roundtrip",)), st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0]))]
+CLIP = st.tuples(st.just("clip"), st.sampled_from([0.01, 1000.0]))  # clips every gradient / none
 
 
 def commands() -> st.SearchStrategy[tuple]:
@@ -84,6 +86,7 @@ def commands() -> st.SearchStrategy[tuple]:
         knob_calls(),
         knob_calls(),
         *STATE_CALLS,
+        CLIP,
         st.tuples(st.just("raise_in_forward"), seeds),
         st.just(("to_float64",)),
         st.tuples(st.just("pipeline_microbatches"), seeds, st.integers(1, 2)),
@@ -93,7 +96,7 @@ def commands() -> st.SearchStrategy[tuple]:
 def compiled_commands() -> st.SearchStrategy[tuple]:
     """The calls compiled mode takes: its modules are no FSDPModule (no unshard, reshard,
     set_* knobs, reset_iter_state)."""
-    return st.one_of(*_training_calls(), *STATE_CALLS, st.just(("to_float64",)))
+    return st.one_of(*_training_calls(), *STATE_CALLS, CLIP, st.just(("to_float64",)))
 
 
 def sequences(max_size: int = 14, compiled: bool = False) -> st.SearchStrategy[list[tuple]]:
