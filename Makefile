@@ -9,8 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 TEST_DEPS ?= torchao==0.18.0
 # Test-only, with its dependencies (attrs, sortedcontainers): the differential fuzzer (tests/fuzz).
 FUZZ_DEPS ?= hypothesis==6.170.17
-# Test-only, with their dependencies (none is torch): shardkit[hf]'s safetensors, and transformers,
-# which writes and reads the Hugging Face checkpoints that tests/gloo/test_pretrained.py loads and saves.
+# Test-only, with their dependencies (none is torch): the safetensors package, the reference that
+# shardkit.checkpoint's own reader and writer are checked against, and transformers, which writes and
+# reads the Hugging Face checkpoints that tests/gloo/test_pretrained.py loads and saves.
 HF_DEPS ?= safetensors==0.8.0 transformers==5.23.0
 # Bench-only: the plot of benchmarks/scaling.py (make bench ARGS=--scaling); the tests never need it.
 # The same pin as pyproject.toml's `bench` extra.
@@ -72,7 +73,8 @@ SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_com
 SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py \
-	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py tests/gloo/test_clip_four_ranks.py tests/gloo/test_pretrained.py
+	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py tests/gloo/test_clip_four_ranks.py tests/gloo/test_pretrained.py \
+	tests/gloo/test_pretrained_four_ranks.py
 
 test: $(STAMP)
 	@log=$$(mktemp); \

@@ -1,20 +1,28 @@
 """Pretrained weights in the Hugging Face layout, read straight into shards and written back.
 
 ``load_pretrained(model, path)`` reads safetensors (one file, or the shards of a
-``model.safetensors.index.json``) into a sharded model: each rank reads only the part of
-each tensor it holds (its rows under FSDP, its block under FSDP x TP), as memory-mapped
-slices, with no collective. Nothing is materialized in full, a model built on the meta
-device included. ``save_pretrained(model, dir)`` writes the same layout back: each tensor
-goes whole to one owner rank (``shardkit.optim.owners``, one packed all-to-all per mesh
-and dtype), which streams it into its own file; rank 0 writes the index.
+``model.safetensors.index.json``) into a sharded model: each rank reads only the bytes of the
+part of each tensor it holds (its rows under FSDP, its block under FSDP x TP), with
+positional reads straight into its local tensors, and no collective. Nothing is
+materialized in full, a model built on the meta device included. (Not a memory map: the
+pages of a mapped file count in the rank's resident memory while it is open, about the
+rank's share of the file again.) ``save_pretrained(model, dir)`` writes the same layout back:
+each tensor goes whole to one owner rank (``shardkit.optim.owners``, one packed all-to-all
+per mesh and dtype), which streams it into its own file; rank 0 writes the index.
 
-safetensors is an optional extra (``pip install shardkit[hf]``), imported only here.
+The format is small (an 8-byte header length, a JSON header of each tensor's dtype, shape and
+byte range, then the raw little-endian bytes), so shardkit reads and writes it itself: no
+dependency; tests/unit/test_pretrained_api.py checks both ways against the safetensors package.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
+import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -36,18 +44,6 @@ SINGLE = "model.safetensors"
 KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
 
 
-def _safetensors():
-    try:
-        import safetensors
-        from safetensors import safe_open
-    except ImportError:
-        raise ImportError(
-            "shardkit.checkpoint.load_pretrained/save_pretrained read and write safetensors files: "
-            "install the extra with `pip install shardkit[hf]` (or `pip install safetensors`)."
-        ) from None
-    return safetensors, safe_open
-
-
 # Reading ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Entry:
@@ -55,8 +51,9 @@ class _Entry:
 
     key: str  # the key in the file
     file: str
-    dtype: str
+    dtype: torch.dtype
     shape: tuple[int, ...]
+    begin: int  # the tensor's first byte in the file
 
 
 def _files(path: str) -> list[str]:
@@ -83,9 +80,9 @@ def _files(path: str) -> list[str]:
     return [os.path.join(folder, name) for name in files]
 
 
-def _header(file: str) -> dict:
-    """The file's header, checked against its size: a truncated or corrupt file fails here,
-    naming itself, before any tensor is read."""
+def _header(file: str) -> tuple[dict, int]:
+    """The file's header and where its data starts, checked against its size: a truncated or
+    corrupt file fails here, naming itself, before any tensor is read."""
     size = os.path.getsize(file)
     try:
         with open(file, "rb") as f:
@@ -93,6 +90,8 @@ def _header(file: str) -> dict:
             if size < 8 or n > size - 8:
                 raise ValueError(f"its header claims {n} bytes, the file has {size}")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(file, _rank(), f"is not a safetensors file (truncated or corrupt): {e}") from e
     header.pop("__metadata__", None)
@@ -101,16 +100,23 @@ def _header(file: str) -> dict:
         raise CorruptCheckpointError(
             file, _rank(), f"is truncated or corrupt: its header places tensors up to byte {8 + n + end}, the file has {size} bytes"
         )
-    return header
+    return header, 8 + n
 
 
 def _entries(path: str) -> dict[str, _Entry]:
     out: dict[str, _Entry] = {}
     for file in _files(path):
-        for key, info in _header(file).items():
+        header, data = _header(file)
+        for key, info in header.items():
             if key in out:
                 raise CorruptCheckpointError(path, _rank(), f"key {key!r} is in both {out[key].file} and {file}")
-            out[key] = _Entry(key, file, info["dtype"], tuple(info["shape"]))
+            dtype = _FROM_NAME.get(info.get("dtype"))
+            if dtype is None:
+                raise CorruptCheckpointError(file, _rank(), f"{key}: dtype {info.get('dtype')!r} is not one torch holds")
+            shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+            if end - begin != math.prod(shape) * dtype.itemsize:
+                raise CorruptCheckpointError(file, _rank(), f"{key}: {end - begin} bytes for a {info['dtype']} tensor of shape {list(shape)}")
+            out[key] = _Entry(key, file, dtype, shape, data + begin)
     return out
 
 
@@ -160,7 +166,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True, key_map: K
       that differs always raises. A truncated or corrupt file raises
       ``CorruptCheckpointError`` naming it.
     """
-    _, safe_open = _safetensors()
+    _little_endian()
     entries = _entries(path)
     rename = _mapper(key_map)
     state, tied = _targets(model)
@@ -188,18 +194,13 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True, key_map: K
         by_file.setdefault(entry.file, []).append((k, entry))
     with torch.no_grad():
         for file, items in by_file.items():
-            try:
-                with safe_open(file, framework="pt") as f:
-                    for k, entry in items:
-                        _read_into(f, entry, state[k], k)
-            except CheckpointError:
-                raise
-            except Exception as e:  # safetensors' own errors: a file changed or damaged since its header was read
-                raise CorruptCheckpointError(file, _rank(), f"could not be read: {type(e).__name__}: {e}") from e
+            with open(file, "rb", buffering=0) as f:
+                for k, entry in items:
+                    _read_into(f.fileno(), entry, state[k], k)
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _read_into(f, entry: _Entry, target: torch.Tensor, key: str) -> None:
+def _read_into(fd: int, entry: _Entry, target: torch.Tensor, key: str) -> None:
     """This rank's part of ``entry`` into ``target`` (a parameter or buffer, sharded or not)."""
     if isinstance(target, DTensor):
         coordinate = target.device_mesh.get_coordinate()
@@ -217,30 +218,54 @@ def _read_into(f, entry: _Entry, target: torch.Tensor, key: str) -> None:
         )
     if piece.numel == 0:
         return
-    local.copy_(_read(f.get_slice(entry.key), piece.index) if entry.shape else f.get_tensor(entry.key))
+    direct = local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous() and type(local) is torch.Tensor
+    out = local if direct else torch.empty(piece.shape, dtype=entry.dtype)  # (a cast or a device copy: one piece at a time)
+    _read_piece(fd, entry, piece.index, out)
+    if not direct:
+        local.copy_(out)
 
 
-def _read(view, index: tuple) -> torch.Tensor:
-    """``view[index]`` from a safetensors slice: ranges read as they are; a dim held at
-    scattered positions (``_StridedShard``) read run by run and joined."""
-    runs = [[ix] if isinstance(ix, slice) else _runs(ix) for ix in index]
+def _read_piece(fd: int, entry: _Entry, index: tuple, out: torch.Tensor) -> None:
+    """The bytes of ``entry`` at ``index`` (per dim: a range, or increasing positions of a
+    ``_StridedShard``) into ``out``, in order: one read per contiguous run, that is per run of
+    the last dim that is not held whole, for each position of the dims before it."""
+    shape, size = entry.shape, entry.dtype.itemsize
+    positions = [range(ix.start, ix.stop) if isinstance(ix, slice) else ix.tolist() for ix in index]
+    for dim, p in enumerate(positions):
+        if any(b <= a for a, b in zip(p, p[1:])):
+            raise ValueError(f"{entry.key}: this rank holds positions {list(p)} of dim {dim}, not in increasing order")
+    partial = [d for d, p in enumerate(positions) if len(p) != shape[d]]
+    last = partial[-1] if partial else 0
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    runs = _runs(positions[last]) if shape else [range(0, 1)]
+    dst = (ctypes.c_char * (out.numel() * size)).from_address(out.data_ptr())
+    view, at = memoryview(dst).cast("B"), 0
+    for prefix in itertools.product(*positions[:last]):
+        base = sum(p * strides[d] for d, p in enumerate(prefix))
+        for run in runs:
+            start = (base + run.start * (strides[last] if shape else 1)) * size
+            n = len(run) * (strides[last] if shape else 1) * size
+            _pread_exactly(fd, view[at : at + n], entry.begin + start, entry)
+            at += n
+    assert at == len(view), (entry.key, at, len(view))
 
-    def read(prefix: tuple, dim: int) -> torch.Tensor:
-        if dim == len(runs):
-            return view[prefix]
-        parts = [read(prefix + (run,), dim + 1) for run in runs[dim]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
-    return read((), 0)
+def _pread_exactly(fd: int, into: memoryview, offset: int, entry: _Entry) -> None:
+    while len(into):
+        got = os.preadv(fd, [into], offset)
+        if got == 0:
+            raise CorruptCheckpointError(entry.file, _rank(), f"ended inside tensor {entry.key} (truncated while being read)")
+        into, offset = into[got:], offset + got
 
 
-def _runs(ix: torch.Tensor) -> list[slice]:
+def _runs(positions) -> list[range]:
     """Increasing positions as maximal ranges: [0, 1, 4, 5] -> [0:2, 4:6]."""
-    values = ix.tolist()
-    out, start = [], values[0]
-    for a, b in zip(values, values[1:] + [None]):
+    if isinstance(positions, range):
+        return [positions]
+    out, start = [], positions[0]
+    for a, b in zip(positions, list(positions[1:]) + [None]):
         if b != a + 1:
-            out.append(slice(start, a + 1))
+            out.append(range(start, a + 1))
             start = b
     return out
 
@@ -291,8 +316,11 @@ def _mismatch(missing: list[str], unexpected: list[str], shapes: list[str]) -> s
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0",
+    torch.complex64: "C64",
 }
+_FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def save_pretrained(model: nn.Module, save_directory: str, *, dtype: torch.dtype | None = None) -> None:
@@ -303,6 +331,7 @@ def save_pretrained(model: nn.Module, save_directory: str, *, dtype: torch.dtype
     only (owners balanced by bytes), which streams it to its file. Tied weights are written
     once, under their first key; ``dtype`` casts floating-point tensors. A model with a
     Hugging Face ``config`` also gets its ``config.json`` (``from_pretrained`` needs it)."""
+    _little_endian()
     state, tied = _targets(model)
     keys = [k for k in state if tied[k][0] == k]
     values = [state[k].detach() for k in keys]
@@ -313,16 +342,25 @@ def save_pretrained(model: nn.Module, save_directory: str, *, dtype: torch.dtype
     gatherer = OwnerCompute(cost=lambda shape: float(torch.Size(shape).numel()), bucket_bytes=256 << 20, name="save_pretrained")
     gathered = [keys[i] for i in gatherer.owned_here(matrices)]
     whole = _whole_owned_here(keys, values, matrices, rank, world)
-    mine = gathered + whole  # this rank's file, in the order it is written
-    owners = _all_gather([(k, tuple(state[k].shape)) for k in mine])
+    claims = _all_gather([(k, tuple(state[k].shape)) for k in gathered + whole])
+    # A tensor on a sub-mesh (FSDP x TP's dp-only norms and embeddings) has an owner in each copy
+    # of that mesh (one per tp rank), all holding the same values: the lowest rank writes it.
+    first = {}
+    for r, keys_r in enumerate(claims):
+        for k, _ in keys_r:
+            first.setdefault(k, r)
+    owners = [[(k, shape) for k, shape in keys_r if first[k] == r] for r, keys_r in enumerate(claims)]
+    mine = [k for k, _ in owners[rank]]  # this rank's file, in the order it is written
+    writes = set(mine)
     writers = [r for r in range(world) if owners[r]]
     names = {r: SINGLE if len(writers) == 1 else f"model-{n + 1:05d}-of-{len(writers):05d}.safetensors" for n, r in enumerate(writers)}
     os.makedirs(save_directory, exist_ok=True)
     value_of = dict(zip(keys, values))
     writer = _Writer(os.path.join(save_directory, names[rank]), [(k, value_of[k]) for k in mine]) if mine else None
-    gatherer.gather(matrices, lambda i, full: writer.write(keys[i], full))
+    gatherer.gather(matrices, lambda i, full: writer.write(keys[i], full) if keys[i] in writes else None)
     for k in whole:
-        writer.write(k, _local_whole(value_of[k]))
+        if k in writes:
+            writer.write(k, _local_whole(value_of[k]))
     if writer is not None:
         writer.close()
     _barrier()
@@ -390,8 +428,9 @@ class _Writer:
         expected = self.order[self.next]
         assert key == expected, f"save_pretrained: wrote {key} where {expected} was next"
         self.next += 1
-        data = full.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self.out.write(memoryview(data.numpy()))
+        data = full.detach().to("cpu").contiguous()
+        if data.numel():
+            self.out.write((ctypes.c_char * (data.numel() * data.element_size())).from_address(data.data_ptr()))
 
     def close(self) -> None:
         assert self.next == len(self.order), f"save_pretrained: {len(self.order) - self.next} tensors of {self.file} not written"
@@ -404,6 +443,11 @@ def _write_json(file: str, obj: dict) -> None:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(file + ".incomplete", file)
+
+
+def _little_endian() -> None:
+    if sys.byteorder != "little":
+        raise NotImplementedError("shardkit.checkpoint: safetensors files are little-endian; this machine is not")
 
 
 def _rank() -> int:

@@ -1,9 +1,10 @@
 """``load_pretrained`` / ``save_pretrained`` in one process (no process group): the safetensors
-files they read and write against safetensors' own reader and writer, every dtype, reads of
-scattered positions (``_StridedShard``) run by run, prefix maps, and the error when the
-optional safetensors is not installed. (Sharded models: tests/gloo/test_pretrained*.py.)"""
+files they read and write against the safetensors package's own reader and writer (shardkit
+needs no package for them), every dtype, reads of scattered positions (``_StridedShard``) run
+by run, prefix maps, damaged files. (Sharded models: tests/gloo/test_pretrained*.py.)"""
 
 import json
+import os
 import sys
 
 import pytest
@@ -68,12 +69,15 @@ def test_save_pretrained_casts_floating_tensors_only_and_writes_tied_weights_onc
 def test_scattered_positions_are_read_run_by_run(tmp_path):
     full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
     save_file({"w": full}, tmp_path / "f.safetensors")
-    assert pretrained._runs(torch.tensor([0, 1, 4, 5, 7])) == [slice(0, 2), slice(4, 6), slice(7, 8)]
-    index = (torch.tensor([0, 1, 4, 5]), torch.tensor([1, 3, 4]))
-    with safe_open(tmp_path / "f.safetensors", framework="pt") as f:
-        got = pretrained._read(f.get_slice("w"), index)
-        assert torch.equal(got, full[index[0]][:, index[1]])
-        assert torch.equal(pretrained._read(f.get_slice("w"), (slice(2, 5), slice(0, 6))), full[2:5])
+    assert pretrained._runs([0, 1, 4, 5, 7]) == [range(0, 2), range(4, 6), range(7, 8)]
+    (entry,) = pretrained._entries(str(tmp_path / "f.safetensors")).values()
+    with open(tmp_path / "f.safetensors", "rb") as f:
+        for index in [(torch.tensor([0, 1, 4, 5]), torch.tensor([1, 3, 4])), (slice(2, 5), slice(0, 6)),
+                      (slice(0, 8), slice(3, 6)), (torch.tensor([1, 6]), slice(0, 6)), (slice(7, 8), torch.tensor([0, 5]))]:
+            want = full[index[0]][:, index[1]]
+            out = torch.empty(want.shape)
+            pretrained._read_piece(f.fileno(), entry, index, out)
+            assert torch.equal(out, want), index
 
 
 def test_a_prefix_map_takes_the_longest_prefix_and_unmapped_keys_stay():
@@ -109,10 +113,19 @@ def test_unexpected_keys_name_what_the_key_map_made_of_them(tmp_path):
     assert "0.weight (as first.weight)" in str(raised.value), raised.value
 
 
-def test_without_safetensors_the_error_says_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(ImportError, match=r"pip install shardkit\[hf\]"):
-        load_pretrained(nn.Linear(2, 2), str(tmp_path))
-    import shardkit.checkpoint  # importing shardkit never needs it
+def test_shardkit_reads_and_writes_the_format_itself_without_the_safetensors_package(monkeypatch, tmp_path):
+    save_file({"weight": torch.ones(2, 2), "bias": torch.arange(2.0)}, tmp_path / "model.safetensors")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors would fail
+    model = nn.Linear(2, 2)
+    load_pretrained(model, str(tmp_path))
+    assert torch.equal(model.weight.detach(), torch.ones(2, 2)) and torch.equal(model.bias.detach(), torch.arange(2.0))
+    save_pretrained(model, str(tmp_path / "out"))
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
-    assert shardkit.checkpoint.load_pretrained is load_pretrained
+
+def test_a_file_cut_inside_a_tensor_after_its_header_was_read_is_named(tmp_path):
+    save_file({"w": torch.ones(64)}, tmp_path / "model.safetensors")
+    entries = pretrained._entries(str(tmp_path / "model.safetensors"))
+    os.truncate(tmp_path / "model.safetensors", os.path.getsize(tmp_path / "model.safetensors") - 16)
+    with open(tmp_path / "model.safetensors", "rb") as f, pytest.raises(CorruptCheckpointError, match="ended inside tensor w"):
+        pretrained._read_piece(f.fileno(), entries["w"], (slice(0, 64),), torch.empty(64))
