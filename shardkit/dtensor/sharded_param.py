@@ -336,9 +336,9 @@ class ShardedParam:
             registered._local_tensor = self._valid(padded)
         # Keep the registered Parameter object (the optimizer may already hold it).
         self.padded_shard, self.sharded_param = padded, registered
-        if local.dtype != self.dtype:  # .to(dtype): mixed-precision dtypes that followed the old one follow the new
-            self.param_dtype = local.dtype if self.param_dtype == self.dtype else self.param_dtype
-            self.reduce_dtype = local.dtype if self.reduce_dtype == self.dtype else self.reduce_dtype
+        if local.dtype != self.dtype:  # .to(dtype): derived from the policy again, as at fully_shard (FSDP2 keeps
+            # the policy: bf16 params with param_dtype=bf16, then .to(float32), still gather and reduce in bf16)
+            self.param_dtype, self.reduce_dtype = _dtypes(registered, local.dtype, self.options)
         self.dtype, self.spec = local.dtype, registered._spec
         self.unsharded_param = self.unsharded_flat = None
         self.extension = extension.of(local, self.fqn)

@@ -242,3 +242,34 @@ def test_reduce_dtype_none_reduces_in_the_dtype_the_installed_fsdp2_does():
     assert seen["shardkit"] == seen["torch"], seen
     from shardkit import versions
     assert seen["shardkit"] == ({torch.float32} if versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else {torch.bfloat16})
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "compiled", "torch"])
+def test_to_float32_after_a_bf16_policy_keeps_the_policy_as_fsdp2(impl):
+    """torch's FSDP2 test_clamp_reduce_dtype: a model built in bf16, MixedPrecisionPolicy(bf16,
+    bf16), then ``model.to(torch.float32)`` before the first step: the shards become fp32, the
+    all-gathers and reduce-scatters stay bf16 (the policy's), the compute bf16, the grads fp32.
+    (shardkit made param_dtype follow the old dtype to fp32, and the forward failed.)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit.compiled import fully_shard as compiled_fully_shard
+    from tests.dtype_audit import Audit
+
+    shard, policy = {"shardkit": (fully_shard, MixedPrecisionPolicy), "compiled": (compiled_fully_shard, MixedPrecisionPolicy),
+                     "torch": (torch_fully_shard, TorchPolicy)}[impl]
+    with fake_world(4) as mesh:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32, dtype=BF16), nn.Linear(32, 32, dtype=BF16))
+        mp = policy(param_dtype=BF16, reduce_dtype=BF16)
+        for layer in model:
+            shard(layer, mesh=mesh, mp_policy=mp)
+        shard(model, mesh=mesh, mp_policy=mp)
+        model.to(torch.float32)
+        with Audit(mesh) as audit:
+            out = model(torch.randn(4, 32))
+            out.sum().backward()
+        assert out.dtype == BF16
+        assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+        kinds = sorted({(s.kind, s.dtype) for s in audit.seen})
+        assert kinds == [("all_gather", BF16), ("reduce_scatter", BF16)], kinds

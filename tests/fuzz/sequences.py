@@ -812,7 +812,7 @@ class Run:
 
     def do_to_float64(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
         if dry:
-            return self.idle() and self.dtype is torch.float32 and not self.spec.mp
+            return self.idle() and self.dtype is torch.float32  # (with mp too: the policy stays, as in FSDP2)
         if side is not None:
             side.model.to(torch.float64)
             return True
