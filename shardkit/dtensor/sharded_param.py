@@ -1,8 +1,9 @@
-"""One parameter in its three forms: original -> sharded DTensor (+padding) <-> unsharded.
+"""One parameter's buffers: the original, the sharded DTensor (+padding), the unsharded form.
 
-Parameters are split along ``dim`` (0 unless ``shard_placement_fn`` says otherwise; "rows"
-are slices along it), over the last mesh dim (HSDP: replicated over the first). With tensor
-parallel, everything below applies to the parameter's TP-local tensor: the unsharded
+Its geometry and dtypes are its ``Layout`` (``layout.py``: values only, frozen); this file
+holds the tensors that change, each owned by the one object that changes it. Rows are slices
+along ``layout.dim``, split over the last mesh dim (HSDP: replicated over the first). With
+tensor parallel, everything below applies to the parameter's TP-local tensor: the unsharded
 parameter is a DTensor with the TP placements again, the sharded one a DTensor on the
 (dp, tp) mesh (``placements.dp_tp_spec``).
 
@@ -13,20 +14,19 @@ parameter is a DTensor with the TP placements again, the sharded one a DTensor o
 - The **sharded parameter** (``sharded_param``) is an ``nn.Parameter`` wrapping a ``Shard(0)``
   DTensor whose local tensor is a view of the real (unpadded) rows of the padded shard. It is
   what the module holds between steps, so the optimizer and ``state_dict()`` see it.
-- The **unsharded parameter** (``unsharded_param``) is a plain ``nn.Parameter`` of the
-  original shape in ``param_dtype`` on the compute device, a view into ``unsharded_flat``
-  (``world * shard_numel`` elements, the all-gather output layout), registered on the module
-  during forward/backward. The object lives for the whole run; only its storage is freed
-  and refilled, through ``unsharded_flat``, a ``.data`` alias with its own version counter
-  (docs/design.md says why).
+- The **unsharded parameter** (``unsharded_param``) is what the module holds during forward
+  and backward: for a plain parameter the view its ``UnshardedBuffer`` makes of the
+  all-gather's output (``unsharded_flat``, ``world * shard_numel`` elements in
+  ``param_dtype``); the object lives for the whole run, only its storage is freed and refilled.
 - A parameter whose local shard has FSDP2's all-gather hooks (torchao's float8, NF4) gets its
   unsharded form from them instead (``extension.py``).
 - The **post-forward shard** (``post_forward_shard``), with ``reshard_after_forward=R`` (an
   int): this rank's ``1/R`` of the unsharded parameter, kept from the end of forward to the
   backward all-gather among ``R`` ranks, laid out as the unsharded buffer's first rows.
 
-Dtypes: ``dtype`` is the original one (sharded parameter, its ``.grad``, optimizer state);
-``param_dtype`` the all-gather's and the compute's; ``reduce_dtype`` the gradients' reduction.
+Dtypes (the layout's): ``dtype`` is the original one (sharded parameter, its ``.grad``,
+optimizer state); ``param_dtype`` the all-gather's and the compute's; ``reduce_dtype`` the
+gradients' reduction.
 """
 
 from __future__ import annotations
@@ -39,27 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from shardkit import versions
 from shardkit.dtensor import extension
-from shardkit.dtensor.placements import local_rows, padded_rows, row_numel, sharded_spec, to_dtensor, with_size
+from shardkit.dtensor.layout import Layout, layout_of
+from shardkit.dtensor.placements import sharded_spec, to_dtensor
 from shardkit.dtensor.storage import free_storage
 from shardkit.options import ParamOptions
-
-
-def _dtypes(param: nn.Parameter, dtype: torch.dtype, options: ParamOptions) -> tuple[torch.dtype, torch.dtype]:
-    """The all-gather/compute dtype and the reduction dtype of a parameter of ``dtype``. Mixed
-    precision applies to floating-point parameters only (as in FSDP2). Without a
-    ``reduce_dtype``: ``param_dtype`` before torch 2.15, the accumulation dtype from 2.15 (the
-    parameter's own, or its explicit ``grad_dtype``), as that release's FSDP2."""
-    if not dtype.is_floating_point:
-        return dtype, dtype
-    param_dtype = options.param_dtype or dtype
-    if options.reduce_dtype is not None:
-        return param_dtype, options.reduce_dtype
-    if versions.REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE:
-        override = getattr(param, "_has_grad_dtype_override", False)
-        return param_dtype, (param.grad_dtype or param_dtype) if override else dtype
-    return param_dtype, param_dtype
 
 
 @dataclass(frozen=True)
@@ -68,6 +52,43 @@ class ParamSlot:
 
     module: nn.Module
     name: str
+
+
+class UnshardedBuffer:
+    """A plain parameter's unsharded form: the all-gather's output (``flat``, ``world *
+    shard_numel`` elements in ``param_dtype``, on the compute device), the same bytes as
+    ``world`` padded shards along ``dim`` (``padded``), and the parameter registered during
+    forward and backward (``param``: a view of the real rows; for tensor parallel a DTensor with
+    the TP placements). Made once; only its storage is freed and refilled, through ``flat``, a
+    ``.data`` alias with its own version counter (docs/design.md says why). World * padded_rows
+    >= R * ceil(rows / R) for every R dividing world: a post-forward all-gather's output fits too."""
+
+    def __init__(self, layout: Layout, device: torch.device, tp_spec: DTensorSpec | None, requires_grad: bool) -> None:
+        flat = torch.empty(layout.world * layout.shard_numel, dtype=layout.param_dtype, device=device)
+        padded = flat.view(layout.unsharded_padded_shape)
+        view = padded.narrow(layout.dim, 0, layout.shape[layout.dim])  # (*shape): contiguous for dim 0
+        if tp_spec is not None:  # tensor parallel: hand TP its local DTensor
+            meta = TensorMeta(tp_spec.shape, tp_spec.stride, layout.param_dtype)
+            view = DTensor(view, DTensorSpec(tp_spec.mesh, tp_spec.placements, meta), requires_grad=False)
+        self.param = nn.Parameter(view, requires_grad=requires_grad)
+        self.flat = flat.data  # same storage, own version counter
+        self.padded = self.flat.view(padded.shape)
+        # Kept to free and refill it every step without making a storage object each time.
+        self._storage, self._nbytes = flat.untyped_storage(), flat.numel() * flat.element_size()
+        self._storage_id = self._storage._cdata  # what the parameter views, unless the module replaced its data
+        free_storage(self.flat)
+
+    def free(self) -> None:
+        self._storage.resize_(0)
+
+    def alloc(self) -> None:
+        """Make room for the all-gather's output again (``free`` let it go)."""
+        if self._storage.size() != self._nbytes:
+            self._storage.resize_(self._nbytes)
+
+    def data_replaced(self) -> bool:
+        """Whether the module gave the parameter other data (``param.data = ...`` in forward)."""
+        return self.param.untyped_storage()._cdata != self._storage_id
 
 
 class ShardedParam:
@@ -87,36 +108,56 @@ class ShardedParam:
                 f"{type(slots[0].module).__name__}: make it a 1-D tensor with one element."
             )
         self.slots = slots
-        self.fqn = slots[0].name  # replaced by the full name at lazy init
+        self.fqn = slots[0].name  # replaced by the full name at lazy init (named)
         self.mesh = mesh  # 1-D, or 2-D (replicate, shard)
-        self.world, self.rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         self.dp_dims = spmd.dims if spmd is not None else frozenset()  # the full mesh's data-parallel dims
         local = param._local_tensor if self.tp_spec is not None else param  # what FSDP shards
-        self.shape, self.dtype = local.shape, local.dtype
-        self.dim = dim
         self.options = options
-        where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
-        self.extension = extension.of(local, where)
         self.device = device  # where the unsharded parameter lives and the collectives run
-        self.param_dtype, self.reduce_dtype = _dtypes(param, self.dtype, options)
-        self.offload = options.offload
-        self.pin_memory = options.pin_memory and options.offload and device.type != "cpu"  # pinning needs an accelerator
-        self.post_forward_rows = self.post_forward_numel = self.post_forward_index = 0  # set by set_post_forward
+        where = f"parameter '{slots[0].name}' of {type(slots[0].module).__name__}"
+        spec = sharded_spec(mesh, self.tp_spec, local.shape, local.dtype, dim, spmd, where)
+        self.layout: Layout = layout_of(local.shape, local.dtype, options, world=mesh.size(mesh.ndim - 1),
+                                        rank=mesh.get_local_rank(mesh.ndim - 1), dim=dim, spec=spec, param=param)
+        self.extension = extension.of(local, where)
         self.post_forward_shard: torch.Tensor | None = None
         self._init_requires_grad = param.requires_grad
-        rows = self.shape[dim]
-        self.padded_rows = padded_rows(rows, self.world)
-        self.local_rows = local_rows(rows, self.world, self.rank)
-        self.padded_shape = with_size(self.shape, dim, self.padded_rows)
-        self.shard_numel = self.padded_shape.numel()
-        self.spec = sharded_spec(mesh, self.tp_spec, self.shape, self.dtype, dim, spmd, where)
-        self.unsharded_param: nn.Parameter | None = None  # allocated at lazy init
+        self.unsharded_param: nn.Parameter | None = None  # made at lazy init (plain: buffer.param), or by the hooks
+        self.buffer: UnshardedBuffer | None = None  # a plain parameter's unsharded form, made at lazy init
         self._shard_mesh: DeviceMesh | None = None  # the hooks' 1-D mesh, made at the first all-gather
-        self.unsharded_flat: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
         self._data_replaced = False  # the module gave the unsharded parameter other data (see to_sharded)
         self._shard(local.detach(), device)
+
+    # The layout's values, read where the runtime needs them (the layout itself never changes:
+    # a .to() or a reshard_after_forward=int makes a new one).
+    shape = property(lambda self: self.layout.shape, doc="What FSDP shards: the TP-local shape under tensor parallel.")
+    dtype = property(lambda self: self.layout.dtype)
+    param_dtype = property(lambda self: self.layout.param_dtype)
+    reduce_dtype = property(lambda self: self.layout.reduce_dtype)
+    dim = property(lambda self: self.layout.dim)
+    world = property(lambda self: self.layout.world)
+    rank = property(lambda self: self.layout.rank)
+    spec = property(lambda self: self.layout.spec)
+    padded_rows = property(lambda self: self.layout.padded_rows)
+    local_rows = property(lambda self: self.layout.local_rows)
+    padded_shape = property(lambda self: self.layout.padded_shape)
+    shard_numel = property(lambda self: self.layout.shard_numel)
+    post_forward_numel = property(lambda self: self.layout.post_forward_numel)
+    unsharded_flat = property(lambda self: self.buffer.flat, doc="The all-gather's output (a plain parameter's).")
+    unsharded_padded = property(lambda self: self.buffer.padded)
+
+    @property
+    def offload(self) -> bool:
+        return self.options.offload
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.options.pin_memory and self.options.offload and self.device.type != "cpu"  # pinning needs an accelerator
+
+    def named(self, fqn: str) -> None:
+        """Its full name, known at lazy init (the root's FQNs)."""
+        self.fqn = fqn
 
     def _my_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (TP-local) tensor (a view). ``torch.chunk``, as in FSDP2:
@@ -193,13 +234,11 @@ class ShardedParam:
                 f"reshard_after_forward={world} (an int) with parameter '{self.fqn}' {why} is not "
                 "supported; pass True or False."
             )
-        self.post_forward_rows = padded_rows(self.shape[0], world)
-        self.post_forward_numel = self.post_forward_rows * row_numel(tuple(self.shape))
-        self.post_forward_index = index
+        self.layout = self.layout.with_post_forward(world, index)
 
     def keep_post_forward_shard(self) -> None:
         """Copy this rank's chunk of the unsharded buffer aside (before the buffer is freed)."""
-        n, i = self.post_forward_numel, self.post_forward_index
+        n, i = self.layout.post_forward_numel, self.layout.post_forward_index
         self.post_forward_shard = self.unsharded_flat[i * n : (i + 1) * n].clone()  # (post_forward_numel,)
 
     def refresh_extension(self) -> None:
@@ -215,30 +254,20 @@ class ShardedParam:
                 f"reshard_after_forward=<int> with parameter '{self.fqn}' with fsdp_pre_all_gather is not supported; pass True or False."
             )
         self.extension = found
-        self.unsharded_param = self.unsharded_flat = None  # made by the hooks, or as a plain buffer
+        self._drop_unsharded()  # made by the hooks, or as a plain buffer
 
     def alloc_unsharded(self) -> None:
         """Create the unsharded parameter once (storage freed until the first unshard); a
         parameter with the all-gather hooks gets it from them, at its first all-gather."""
         if self.unsharded_param is not None or self.extension is not None:
             return
-        # world * padded_rows >= R * ceil(rows / R) for every R dividing world: the post-forward
-        # all-gather's output fits too.
-        flat = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
-        padded = flat.view(with_size(self.shape, self.dim, self.world * self.padded_rows))
-        view = padded.narrow(self.dim, 0, self.shape[self.dim])  # (*shape): contiguous for dim 0
-        if self.tp_spec is not None:  # tensor parallel: hand TP its local DTensor
-            spec = self.tp_spec
-            meta = TensorMeta(spec.shape, spec.stride, self.param_dtype)
-            view = DTensor(view, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
-        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
-        self.unsharded_flat = flat.data  # same storage, own version counter (see the top)
-        # Kept to free and refill it every step without making a storage object each time.
-        self._unsharded_storage, self._unsharded_nbytes = flat.untyped_storage(), flat.numel() * flat.element_size()
-        self._flat_storage = flat.untyped_storage()._cdata  # what the unsharded parameter views, unless replaced
-        self.unsharded_padded = self.unsharded_flat.view(padded.shape)
+        self.buffer = UnshardedBuffer(self.layout, self.device, self.tp_spec, self.requires_grad)
+        self.unsharded_param = self.buffer.param
         self._data_replaced = False
-        free_storage(self.unsharded_flat)
+
+    def _drop_unsharded(self) -> None:
+        """Forget the unsharded form (its buffers with it): a new one is made at the next lazy init."""
+        self.unsharded_param, self.buffer = None, None
 
     def all_gather_inputs(self) -> list[torch.Tensor]:
         """What this parameter's all-gather carries, flat: its padded shard (cast and moved on
@@ -263,12 +292,11 @@ class ShardedParam:
         if self.extension is not None:
             self.extension.free()
         else:
-            self._unsharded_storage.resize_(0)
+            self.buffer.free()
 
     def alloc_unsharded_storage(self) -> None:
         """Make room for the all-gather's output again (``free_unsharded`` let it go)."""
-        if self._unsharded_storage.size() != self._unsharded_nbytes:
-            self._unsharded_storage.resize_(self._unsharded_nbytes)
+        self.buffer.alloc()
 
     # Registration on the modules ----------------------------------------------------------------
     def put_on_modules(self, param: nn.Parameter) -> None:
@@ -304,7 +332,7 @@ class ShardedParam:
                     "(`module.to(dtype)` is followed), or use a plain tensor attribute for the copy."
                 )
         if self.extension is None and self.tp_spec is None:  # did the module give it other data?
-            self._data_replaced = self.unsharded_param.untyped_storage()._cdata != self._flat_storage
+            self._data_replaced = self.buffer.data_replaced()
         self.put_on_modules(self.sharded_param)
 
     # What users replace ----------------------------------------------------------------------
@@ -336,11 +364,12 @@ class ShardedParam:
             registered._local_tensor = self._valid(padded)
         # Keep the registered Parameter object (the optimizer may already hold it).
         self.padded_shard, self.sharded_param = padded, registered
-        if local.dtype != self.dtype:  # .to(dtype): derived from the policy again, as at fully_shard (FSDP2 keeps
+        layout = self.layout
+        if local.dtype != layout.dtype:  # .to(dtype): derived from the policy again, as at fully_shard (FSDP2 keeps
             # the policy: bf16 params with param_dtype=bf16, then .to(float32), still gather and reduce in bf16)
-            self.param_dtype, self.reduce_dtype = _dtypes(registered, local.dtype, self.options)
-        self.dtype, self.spec = local.dtype, registered._spec
-        self.unsharded_param = self.unsharded_flat = None
+            layout = layout.with_dtype(local.dtype, self.options, registered)
+        self.layout = layout.with_spec(registered._spec)
+        self._drop_unsharded()
         self.extension = extension.of(local, self.fqn)
 
     def adopt_registered(self) -> None:

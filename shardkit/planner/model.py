@@ -3,8 +3,8 @@ what each rank holds of every parameter.
 
 Nothing here allocates: the model is built under a ``FakeTensorMode`` (shapes, dtypes and
 devices, no data), tensor parallel is applied by replacing each split weight with a fake
-tensor of its local shape, and the shard sizes come from the same row math the runtime
-uses (``dtensor/placements.py``).
+tensor of its local shape, and each parameter's shard sizes and dtypes are the runtime's own
+layout of it (``dtensor/layout.py``'s ``layout_of``).
 """
 
 from __future__ import annotations
@@ -17,39 +17,36 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from shardkit.dtensor.placements import local_rows, padded_rows
+from shardkit.dtensor.layout import Layout, layout_of
+from shardkit.options import ParamOptions
 
 GiB = 1024**3
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParamInfo:
-    """One parameter of one group, as one rank of the shard dimension holds it."""
+    """One parameter of one group: its name and the runtime's own layout of it
+    (``dtensor/layout.py``), as rank 0 of the shard dimension holds it."""
 
     fqn: str
-    shape: tuple[int, ...]  # what FSDP shards: the tensor-parallel local shape
-    dtype: torch.dtype  # the parameter's own dtype (sharded parameter, gradient, optimizer state)
-    param_dtype: torch.dtype  # all-gather and compute (MixedPrecisionPolicy.param_dtype)
-    reduce_dtype: torch.dtype  # reduce-scatter
+    layout: Layout
     requires_grad: bool
-    world: int  # ranks of the shard dimension
 
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:])
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements of every rank's padded shard (the collectives' unit)."""
-        return padded_rows(self.shape[0], self.world) * self.row_numel
+    shape = property(lambda self: tuple(self.layout.shape), doc="What FSDP shards: the tensor-parallel local shape.")
+    dtype = property(lambda self: self.layout.dtype, doc="The parameter's own (sharded parameter, gradient, optimizer state).")
+    param_dtype = property(lambda self: self.layout.param_dtype, doc="All-gather and compute.")
+    reduce_dtype = property(lambda self: self.layout.reduce_dtype, doc="Reduce-scatter.")
+    world = property(lambda self: self.layout.world, doc="Ranks of the shard dimension.")
+    row_numel = property(lambda self: self.layout.row_numel)
+    shard_numel = property(lambda self: self.layout.shard_numel, doc="Every rank's padded shard (the collectives' unit).")
 
     def local_numel(self, rank: int) -> int:
         """Elements this rank really holds (the optimizer state's size)."""
-        return local_rows(self.shape[0], self.world, rank) * self.row_numel
+        return self.layout.local_numel(rank)
 
     def post_forward_numel(self, ranks: int) -> int:
         """Elements kept after forward with ``reshard_after_forward=ranks``."""
-        return padded_rows(self.shape[0], ranks) * self.row_numel
+        return self.layout.with_post_forward(ranks, 0).post_forward_numel
 
 
 @dataclass
@@ -135,6 +132,7 @@ def group_params(model: nn.Module, blocks: list[str], world: int, mp_param: torc
                  mp_reduce: torch.dtype | None) -> list[GroupInfo]:
     """The groups in apply order (blocks, then the root) with their parameters. A parameter
     registered in two places belongs to the first group that holds it, as in ``fully_shard``."""
+    options = ParamOptions(mp_param, mp_reduce)
     groups = [GroupInfo(name, model.get_submodule(name)) for name in blocks] + [GroupInfo("", model)]
     seen: set[int] = set()
     for group in groups:
@@ -143,8 +141,6 @@ def group_params(model: nn.Module, blocks: list[str], world: int, mp_param: torc
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            floating = p.dtype.is_floating_point
-            param_dtype = mp_param if mp_param is not None and floating else p.dtype
-            reduce_dtype = mp_reduce if mp_reduce is not None and floating else param_dtype
-            group.params.append(ParamInfo(full, tuple(p.shape), p.dtype, param_dtype, reduce_dtype, p.requires_grad, world))
+            layout = layout_of(p.shape, p.dtype, options, world=world, rank=0, param=p)
+            group.params.append(ParamInfo(full, layout, p.requires_grad))
     return [g for g in groups if g.params]

@@ -150,7 +150,7 @@ def test_reshard_after_forward_2_at_world_8_gathers_backward_among_2_ranks():
         block.register_forward_hook(lambda *_: t_hooks.append([p.post_forward_shard is None for p in block._shardkit().group.params]))
         t = step(net)
         p = block._shardkit().group.params[0]  # weight (16, 16): 2 rows per rank over 8, 8 rows per rank over 2
-        assert (p.post_forward_rows, p.post_forward_index) == (8, 1)  # rank 5 is the second of ranks 4-5
+        assert (p.layout.post_forward_rows, p.layout.post_forward_index) == (8, 1)  # rank 5 is the second of ranks 4-5
         assert all(q.post_forward_shard is None for q in block._shardkit().group.params)  # freed after backward
         steps = [e for e in t.events if e.kind in ("all_gather", "reduce_scatter", "reshard") and e.group.startswith("blocks")]
     assert_expected_inline("\n".join(str(e) for e in steps), """\

@@ -55,7 +55,7 @@ MUTANTS = {
                           "a parameter no rank used gets a zero .grad instead of None"),
     "pipeline-final-callback-dropped": ("shardkit/fsdp2_view.py", "            self._state.schedule.end_backward()", "            pass",
                                         "pipelining's final callback does nothing: the last reductions never finish"),
-    "module-data-not-refilled": ("shardkit/dtensor/sharded_param.py", "self._data_replaced = self.unsharded_param.untyped_storage()._cdata != self._flat_storage", "self._data_replaced = False",
+    "module-data-not-refilled": ("shardkit/dtensor/sharded_param.py", "self._data_replaced = self.buffer.data_replaced()", "self._data_replaced = False",
                                  "data a forward gave its parameter is never refilled: later steps compute with stale weights"),
     "compiled-grad-divisor": ("shardkit/compiled.py", "return (reduced / group.world).to(ctx.dtype), None, None, None", "return (reduced / (group.world * 2)).to(ctx.dtype), None, None, None",
                               "compiled mode divides its reduced gradients by twice the ranks"),
