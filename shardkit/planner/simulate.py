@@ -1,6 +1,6 @@
 """The runtime's schedule replayed over a profile: which buffers exist at each operator.
 
-For every group the runtime holds, at known points of the step (``hooks.py``):
+For every group the runtime holds, at known points of the step (the rules in ``state.py``'s ``RULES``, run by ``schedule.py``):
 
 - its all-gather buffers, from the issue (the previous group's pre-forward when prefetching
   ``depth`` groups ahead, else its own) to the wait (its own pre-forward or pre-backward);
