@@ -1,8 +1,9 @@
-"""fully_shard(): validate, collect the parameters, shard them, install the hooks."""
+"""fully_shard(): validate, collect the parameters, shard them, install the hooks (compiled.py: the first three)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,8 +19,6 @@ from shardkit.options import GroupOptions, ParamOptions
 from shardkit.param_group import MeshPart, ParamGroup
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.state import GroupState, class_name, state_of
-
-_fsdp_classes: dict[type, type] = {}  # original class -> its FSDP subclass, made once
 
 
 class AlreadyShardedError(ValueError, AssertionError):
@@ -91,26 +90,13 @@ def fully_shard(
     if spmd is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
     reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh)
-    mp_policy, offload, pin_memory = check_policies(mp_policy, offload_policy)
-    ignored = _check_ignored(ignored_params, modules)
+    mp_policy, options = check_policies(mp_policy, offload_policy)
+    found = collect(modules, ignored_params)
     device = meshes.mesh_device(mesh)
-
-    managed, nested = _managed_modules(modules)
-    slots, borrowed = _param_slots(managed, ignored)
-    _move_buffers(managed, device)
-    options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, offload, pin_memory, mp_policy)
+    sharded = shard_params(found, options, dp_mesh, device, shard_placement_fn, spmd)
     by_mesh: dict[Any, tuple[DeviceMesh, list[ShardedParam]]] = {None: (dp_mesh, [])}  # None: fully_shard's mesh
-    sharded_of: dict[nn.Parameter, ShardedParam] = {}
-    for p, s in slots.items():
-        dim, param_mesh = _placement(p, s, shard_placement_fn)
-        key = None if param_mesh is None else _mesh_key(param_mesh, dp_mesh)
-        param_mesh = dp_mesh if key is None else param_mesh
-        own = options
-        if mp_policy.param_dtype_override_fn is not None:
-            own = dataclasses.replace(options, param_dtype=mp_policy.param_dtype_for(p, f"'{s[0].name}' of {class_name(s[0].module)}"))
-        sharded = ShardedParam(p, s, param_mesh, device, own, dim, spmd if param_mesh is dp_mesh else None)
-        by_mesh.setdefault(key, (param_mesh, []))[1].append(sharded)
-        sharded_of[p] = sharded
+    for p in sharded.values():
+        by_mesh.setdefault(_mesh_key(p.mesh, dp_mesh), (p.mesh, []))[1].append(p)
 
     def post_forward(m: DeviceMesh) -> DeviceMesh | None:  # reshard_after_forward=R, for each mesh
         return post_forward_mesh if m is dp_mesh else meshes.check_reshard_after_forward(reshard_after_forward, m)[1]
@@ -119,29 +105,60 @@ def fully_shard(
     parts = [MeshPart(ps, m, post_forward(m)) for m, ps in by_mesh.values() if ps]
     group = ParamGroup(parts, options) if parts else None
     state = GroupState(modules, group, options, mp_policy, device)
-    _install(state, sharded_of, borrowed, nested)
-    return module
-
-
-def _install(state: GroupState, sharded: dict[nn.Parameter, ShardedParam], borrowed: dict, nested: list[GroupState]) -> None:
-    """Register the sharded parameters (and the borrowed, tied ones), link the nested groups,
-    and make the modules FSDPModules."""
-    for original, p in sharded.items():  # later calls may meet the original again (tied weights)
-        original._shardkit_shared = (p, state)
-        original._shardkit_replaced = True  # see optim/local_step.py: an optimizer holding it warns
-        p.put_on_modules(p.sharded_param)
-    for (p, owner), more_slots in borrowed.items():  # weights tied across groups stay in the owner's
-        p.add_slots(more_slots, unsharded=owner.group is not None and owner.group.is_unsharded)
-        state.tied.borrow_from(state, owner)
-    own = [(slot, p) for p in sharded.values() for slot in p.slots]
-    accept_full_tensors(own + [(slot, p) for (p, _), more in borrowed.items() for slot in more])
-    for inner in nested:
-        inner.parent = state
+    register_sharded(state, sharded, found)
     hooks.install(state)
     for m in state.modules:
         m.__dict__["_shardkit_state"] = state
         m.__class__ = _fsdp_class(type(m))
         fsdp2_view.register(m, state)
+    return module
+
+
+@dataclass
+class Found:
+    """What one fully_shard call manages (either mode's): all below its modules, down to inner calls'."""
+
+    modules: list[nn.Module]  # whose parameters and buffers it takes
+    nested: list[Any]  # the inner calls' states
+    slots: dict[nn.Parameter, list[ParamSlot]]  # each parameter it shards, with every place it is registered
+    borrowed: dict[tuple, list[ParamSlot]]  # weights tied to an earlier call's: by (its ShardedParam, its state)
+
+
+def collect(modules: tuple[nn.Module, ...], ignored_params: Any) -> Found:
+    """The modules, inner calls and parameters a fully_shard call of ``modules`` manages (both modes)."""
+    ignored = _check_ignored(ignored_params, modules)
+    managed, nested = _managed_modules(modules)
+    return Found(managed, nested, *_param_slots(managed, ignored))
+
+
+def shard_params(found: Found, options: ParamOptions, mesh: DeviceMesh, device: torch.device, placement_fn=None, spmd=None) -> dict[nn.Parameter, ShardedParam]:
+    """Move the managed buffers to ``device`` and shard each parameter found over ``mesh`` (or the
+    mesh ``placement_fn`` gives it), in ``options`` or the dtype ``param_dtype_override_fn`` keeps."""
+    _move_buffers(found.modules, device)
+    policy, sharded = options.mp_policy, {}
+    for p, s in found.slots.items():
+        dim, param_mesh = _placement(p, s, placement_fn)
+        param_mesh = mesh if param_mesh is None or _mesh_key(param_mesh, mesh) is None else param_mesh
+        own = options
+        if policy.param_dtype_override_fn is not None:
+            own = dataclasses.replace(options, param_dtype=policy.param_dtype_for(p, f"'{s[0].name}' of {class_name(s[0].module)}"))
+        sharded[p] = ShardedParam(p, s, param_mesh, device, own, dim, spmd if param_mesh is mesh else None)
+    return sharded
+
+
+def register_sharded(state: Any, sharded: dict[nn.Parameter, ShardedParam], found: Found) -> None:
+    """Register the sharded parameters (and the borrowed, tied ones); link the nested calls to ``state``."""
+    for original, p in sharded.items():  # later calls may meet the original again (tied weights)
+        original._shardkit_shared = (p, state)
+        original._shardkit_replaced = True  # see optim/local_step.py: an optimizer holding it warns
+        p.put_on_modules(p.sharded_param)
+    for (p, owner), more_slots in found.borrowed.items():  # weights tied across groups stay in the owner's
+        p.add_slots(more_slots, unsharded=owner.group is not None and owner.group.is_unsharded)
+        state.tied.borrow_from(state, owner)
+    own = [(slot, p) for p in sharded.values() for slot in p.slots]
+    accept_full_tensors(own + [(slot, p) for (p, _), more in found.borrowed.items() for slot in more])
+    for inner in found.nested:
+        inner.nest_in(state)
 
 
 def _check_modules(module: Any) -> tuple[nn.Module, ...]:
@@ -259,15 +276,19 @@ def _mesh_key(mesh: DeviceMesh, default: DeviceMesh) -> tuple | None:
     return None if mesh is default or layout(mesh) == layout(default) else layout(mesh)
 
 
+@functools.cache  # made once per class
 def _fsdp_class(cls: type) -> type:
+    return subclass(cls, {"__deepcopy__": _no_deepcopy}, FSDPModule)
+
+
+def subclass(cls: type, namespace: dict[str, Any], mixin: type | None = None) -> type:
+    """The class fully_shard swaps in (both modes): ``cls`` with ``namespace`` and ``mixin`` (``FSDP<cls>``)."""
     # The subclass claims its base's module: dynamo (torch/_dynamo/trace_rules.py, check_verbose)
     # traces the forward of a torch.nn built-in (nn.TransformerEncoderLayer, nn.Sequential, ...)
     # as a frame of its own only if the module has hooks and type(module).__module__ starts
     # with "torch.nn." -- without this, torch.compile after fully_shard compiles nothing of it.
-    if cls not in _fsdp_classes:
-        namespace = {"__deepcopy__": _no_deepcopy, "__module__": cls.__module__}
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
-    return _fsdp_classes[cls]
+    name, bases = (cls.__name__, (cls,)) if mixin is None else (f"FSDP{cls.__name__}", (mixin, cls))
+    return type(name, bases, {**namespace, "__module__": cls.__module__})
 
 
 def _no_deepcopy(*args: Any, **kwargs: Any) -> None:

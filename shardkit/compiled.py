@@ -35,6 +35,7 @@ an int ``reshard_after_forward``, HSDP and ``dp_mesh_dims`` meshes, weights tied
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -42,18 +43,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch._library.effects import EffectType
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardkit import api, meshes
 from shardkit.comm import trace
-from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
-from shardkit.module import accept_full_tensors
-from shardkit.options import ParamOptions
+from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
-from shardkit.state import class_name
-from shardkit.tensors import cast_floating
+from shardkit.state import class_name, state_of
+from shardkit.tensors import cast_inputs, cast_output
 
 
 class CompiledFSDPModule:
@@ -72,9 +71,10 @@ class CompiledFSDPModule:
 
 
 @dataclass
-class Bucket:
-    """The parameters of a group that travel in one collective: one original, one param and
-    one reduce dtype (usually the whole group)."""
+class GraphBucket:
+    """The parameters of a group that travel in one collective of the graph: one original, one
+    param and one reduce dtype (usually the whole group). Not eager mode's buckets
+    (``comm/buckets.py``): no bytes, no grad-presence column, one reduce-scatter per all-gather."""
 
     indices: list[int]  # into the group's params
     numels: list[int]  # padded shard elements per parameter
@@ -97,18 +97,22 @@ class CompiledGroup:
         self.pg_name, self.world = mesh.get_group().group_name, mesh.size()
         self.make_buckets()
 
+    def nest_in(self, parent: "CompiledGroup") -> None:
+        """A later ``fully_shard`` call on a module around ours: it is our parent."""
+        self.parent = parent
+
     def make_buckets(self) -> None:
         """The parameters by (dtype, param dtype, reduce dtype): one collective each."""
-        buckets: dict[tuple, Bucket] = {}
+        buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype)
-            bucket = buckets.setdefault(key, Bucket([], [], *key))
+            bucket = buckets.setdefault(key, GraphBucket([], [], *key))
             bucket.indices.append(i)
             bucket.numels.append(p.shard_numel)
         self.buckets = list(buckets.values())
 
 
-class _GatherBucket(torch.autograd.Function):
+class _GatherGraphBucket(torch.autograd.Function):
     """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
     the gradient in ``reduce_dtype``, divided by the ranks, in the shards' dtype."""
 
@@ -178,7 +182,7 @@ def gather(group: CompiledGroup) -> list[torch.Tensor]:
         unsharded: list[Any] = [None] * len(shards)
         for bucket in group.buckets:
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype)
+            gathered = _GatherGraphBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype)
             for i, column in zip(bucket.indices, gathered.view(group.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded
@@ -199,7 +203,7 @@ def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:
 def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
     (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
-    full = column.reshape(p.world * p.padded_rows, *p.shape[1:])[: p.shape[0]]
+    full = column.reshape(p.layout.unsharded_padded_shape)[: p.shape[0]]
     if p.tp_spec is None:
         return full
     spec = p.tp_spec
@@ -242,31 +246,22 @@ def fully_shard(
     mesh = meshes.default_mesh() if mesh is None else mesh
     meshes.check_mesh(mesh)
     _unsupported(mesh, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
-    mp_policy, _, _ = check_policies(mp_policy, offload_policy)
-    ignored = api._check_ignored(ignored_params, modules)
-    device = meshes.mesh_device(mesh)
-    managed, nested = api._managed_modules(modules)
-    for inner in nested:
+    mp_policy, options = check_policies(mp_policy, offload_policy)
+    found = api.collect(modules, ignored_params)
+    for inner in found.nested:
         if not isinstance(inner, CompiledGroup):
             raise ValueError(f"shardkit: {class_name(inner.modules[0])} was sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
-    slots, borrowed = api._param_slots(managed, ignored)
-    if borrowed:
-        names = [slot.name for more in borrowed.values() for slot in more]
+    if found.borrowed:
+        names = [slot.name for more in found.borrowed.values() for slot in more]
         raise NotImplementedError(f"shardkit.compiled: parameters {names} are tied to a parameter of another fully_shard call; shard them in one call.")
-    api._move_buffers(managed, device)
-    options = ParamOptions(mp_policy.param_dtype, mp_policy.reduce_dtype, False, False, mp_policy)
-    params = [ShardedParam(p, s, mesh, device, options) for p, s in slots.items()]
-    group = CompiledGroup(modules, params, mesh, reshard_after_forward, mp_policy)
-    for original, p in zip(slots, params):
-        original._shardkit_shared = (p, group)  # a later call meeting it again: tied across calls
-        original._shardkit_replaced = True  # see optim/local_step.py: an optimizer holding it warns
-        p.put_on_modules(p.sharded_param)
-    accept_full_tensors([(slot, p) for p in params for slot in p.slots])
-    for inner in nested:
-        inner.parent = group
+    # Every parameter gathers in param_dtype here: this mode has never applied param_dtype_override_fn.
+    options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
+    sharded = api.shard_params(found, options, mesh, meshes.mesh_device(mesh))
+    group = CompiledGroup(modules, list(sharded.values()), mesh, reshard_after_forward, mp_policy)
+    api.register_sharded(group, sharded, found)
     _install(group)
     for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
-        inner = m.__dict__.get("_shardkit_state")
+        inner = state_of(m)
         if isinstance(inner, CompiledGroup) and inner is not group:
             inner.name = fqn
     return module
@@ -302,11 +297,8 @@ def _install(group: CompiledGroup) -> None:
         namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
         if m in group.modules:
             namespace["forward"] = _gathering_forward(group, type(m).forward)
-        namespace["__module__"] = type(m).__module__  # as api._fsdp_class: dynamo traces torch.nn built-ins by it
-        if m in group.modules:
-            m.__class__ = type(f"FSDP{type(m).__name__}", (CompiledFSDPModule, type(m)), namespace)
-        else:  # a submodule: only its parameters' properties
-            m.__class__ = type(type(m).__name__, (type(m),), namespace)
+        mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
+        m.__class__ = api.subclass(type(m), namespace, mixin)
 
 
 def _param_property(group: CompiledGroup, name: str, i: int) -> property:
@@ -318,9 +310,7 @@ def _param_property(group: CompiledGroup, name: str, i: int) -> property:
 
 def _gathering_forward(group: CompiledGroup, forward: Any) -> Any:
     def gathering_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        policy = group.mp_policy
-        if policy.param_dtype is not None and policy.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
         if group.gathered is not None:  # re-entry: another module of the group
             output = forward(self, *args, **kwargs)
         else:
@@ -329,6 +319,6 @@ def _gathering_forward(group: CompiledGroup, forward: Any) -> Any:
                 output = forward(self, *args, **kwargs)
             finally:
                 group.gathered = None
-        return output if policy.output_dtype is None else cast_floating(output, policy.output_dtype)
+        return cast_output(group.mp_policy, output)
 
     return gathering_forward

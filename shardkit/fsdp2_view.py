@@ -49,7 +49,7 @@ class StateView:
 
     @_comm_ctx.setter
     def _comm_ctx(self, ctx: Any) -> None:  # torch's share_comm_ctx
-        self._state.shared.comm_ctx = ctx
+        self._state.shared.share_comm_ctx(ctx)
 
     @property
     def _fsdp_param_groups(self) -> list["GroupView"]:

@@ -85,7 +85,7 @@ class Lockstep(Direct):
         not); keep it registered if this rank uses it (``keep``), else free it again."""
         group = state.group
         group.reshard()
-        group.unshard()
+        group.issue_unshard()
         group.wait_for_unshard()
         if not keep:
             group.reshard()

@@ -52,7 +52,7 @@ class FSDPModule(_TorchFSDPModule):
         handle; the module's next forward waits for it if ``wait()`` was not called."""
         group = self._shardkit().group
         if group is not None:
-            group.unshard()
+            group.issue_unshard()
         handle = UnshardHandle(group)
         if async_op:
             return handle
@@ -69,28 +69,27 @@ class FSDPModule(_TorchFSDPModule):
         """``False`` accumulates unreduced gradients locally (no communication) until set back.
         Sets ``set_requires_all_reduce`` to the same value too (HSDP), as FSDP2 does."""
         for state in _states(self, recurse):
-            state.options.requires_gradient_sync = requires_gradient_sync
-            state.options.requires_all_reduce = requires_gradient_sync
+            state.options.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: ``False`` reduce-scatters within the replica but skips the all-reduce
         across replicas, keeping the sums until a backward with it on (gradient accumulation
         that talks across nodes once). A no-op for 1-D meshes."""
         for state in _states(self, recurse):
-            state.options.requires_all_reduce = requires_all_reduce
+            state.options.set_requires_all_reduce(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for state in _states(self, recurse):
-            state.options.reshard_after_forward = reshard_after_forward
+            state.options.set_reshard_after_forward(reshard_after_forward)
             if state.group is not None:  # a bool replaces an int: reshard to the whole mesh or not at all
                 state.group.drop_post_forward_mesh()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward does not all-gather this module's parameters again (for modules
         whose backward needs no parameter values, e.g. an embedding). Not recursive."""
-        self._shardkit().options.unshard_in_backward = unshard_in_backward
+        self._shardkit().options.set_unshard_in_backward(unshard_in_backward)
 
     def set_lockstep(self, enabled: bool = True) -> None:
         """For models that run some ``fully_shard`` modules on some ranks only (rank-dependent
@@ -105,12 +104,12 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in _states(self, recurse):
-            state.options.reshard_after_backward = reshard_after_backward
+            state.options.set_reshard_after_backward(reshard_after_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last one of the step (for microbatching): only the
         last one forgets the forward order that backward prefetching follows. Call on the root."""
-        self._shardkit().shared.options.is_last_backward = is_last_backward
+        self._shardkit().shared.options.set_is_last_backward(is_last_backward)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """FSDP2's (torch 2.15): keep the unsharded storage across reshard and unshard (its
@@ -128,7 +127,7 @@ class FSDPModule(_TorchFSDPModule):
         state = self._shardkit()
         if under_another_root(state):
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
-        state.shared.options.manual_finalization = enabled
+        state.shared.options.set_manual_finalization(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """FSDP2's (torch 2.15): end the step's backward: issue the reductions of the gradients
@@ -146,17 +145,17 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """After this module's all-gather in forward, issue those modules' all-gathers."""
-        self._shardkit().options.forward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "forward")]
+        self._shardkit().options.set_forward_prefetch([m._shardkit() for m in _checked_fsdp_modules(modules, "forward")])
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """After this module's all-gather in backward, issue those modules' all-gathers."""
-        self._shardkit().options.backward_prefetch = [m._shardkit() for m in _checked_fsdp_modules(modules, "backward")]
+        self._shardkit().options.set_backward_prefetch([m._shardkit() for m in _checked_fsdp_modules(modules, "backward")])
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
-        self._shardkit().options.gradient_divide_factor = factor
+        self._shardkit().options.set_gradient_divide_factor(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated FSDP2 name of ``set_gradient_divide_factor``."""
@@ -166,13 +165,13 @@ class FSDPModule(_TorchFSDPModule):
         """``True``: this group's reductions use ``ReduceOp.SUM`` only and divide after (NCCL's
         zero-copy transfers need SUM), where they would average in the collective
         (``ReduceOp.AVG``: fp32/bf16 over one mesh dim on NCCL). Not recursive, as FSDP2."""
-        self._shardkit().options.force_sum_reduction = enable
+        self._shardkit().options.set_force_sum_reduction(enable)
 
     def set_post_optim_event(self, event: Any) -> None:
         """The next forward's all-gathers wait for ``event`` (recorded after the optimizer
         step), which is then dropped: set a new one each step. shardkit's all-gathers also wait
         for the compute stream, which the optimizer step ran on, so this adds no overlap."""
-        self._shardkit().shared.options.post_optim_event = event
+        self._shardkit().shared.options.set_post_optim_event(event)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each reduced gradient buffer of this group (this rank's flat
@@ -183,14 +182,14 @@ class FSDPModule(_TorchFSDPModule):
         state = self._shardkit()
         if stream is not None and state.group is not None and any(part.mesh.ndim == 2 for part in state.group.parts):
             raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (the hook runs after its all-reduce)")
-        state.options.all_reduce_hook, state.options.all_reduce_hook_stream = hook, stream
+        state.options.set_all_reduce_hook(hook, stream)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Issue this group's all-gather with ``comm`` (FSDP2's ``AllGather``): its
         ``allocate(size, dtype=, device=)`` makes the output buffer and
         ``comm(output, input, group, async_op)`` runs the collective."""
         _check_comm(comm, "set_custom_all_gather")
-        self._shardkit().options.custom_all_gather = comm
+        self._shardkit().options.set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Issue this group's reduce-scatter with ``comm`` (FSDP2's ``ReduceScatter``): its
@@ -198,7 +197,7 @@ class FSDPModule(_TorchFSDPModule):
         async_op)`` runs the collective with ``op``: ``ReduceOp.AVG`` where the backend
         averages (NCCL, fp32/bf16, as FSDP2), else SUM, divided after."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        self._shardkit().options.custom_reduce_scatter = comm
+        self._shardkit().options.set_custom_reduce_scatter(comm)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reductions (and so their input buffers) may be in flight when this group's
@@ -209,14 +208,14 @@ class FSDPModule(_TorchFSDPModule):
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for state in _states(self, recurse):
-            state.options.max_reducing = max_input_buffers
+            state.options.set_max_reducing(max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run this group's reduce-scatters on a process group of their own over the same ranks
         (made at the first one, on every rank of the mesh alike), so that on NCCL they can run
         concurrently with the all-gathers instead of queueing behind them."""
         for state in _states(self, recurse):
-            state.options.separate_reduce_scatter = enable
+            state.options.set_separate_reduce_scatter(enable)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility; shardkit allocates its communication buffers with
@@ -254,7 +253,7 @@ class FSDPModule(_TorchFSDPModule):
         if group is not None:
             for p in group.params:
                 p.reset_from_registered()
-            group.reset_layout()
+            group.reset_plan()
         return result
 
 
@@ -311,7 +310,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"share_comm_ctx expects a list of modules fully_shard was applied to, got {type(module).__name__}: {module}")
     for module in modules[1:]:  # one context object: what torch's pipelining compares
-        module._shardkit().shared.comm_ctx = modules[0]._shardkit().shared.comm_ctx
+        module._shardkit().shared.share_comm_ctx(modules[0]._shardkit().shared.comm_ctx)
 
 
 _warned: set[str] = set()

@@ -34,6 +34,56 @@ class GroupOptions:
     force_sum_reduction: bool = False  # set_force_sum_reduction_for_comms: never ReduceOp.AVG
     max_reducing: int | None = None  # reductions (and their input buffers) in flight; None: the schedule's MAX_REDUCING
 
+    # The one way to change a knob: ``FSDPModule.set_*`` (module.py) and lazy init (root.py)
+    # call these, so only this file writes the fields (the group's state and its ParamGroup
+    # read the same object).
+    def set_requires_gradient_sync(self, enabled: bool) -> None:
+        self.requires_gradient_sync = self.requires_all_reduce = enabled  # FSDP2 sets both
+
+    def set_requires_all_reduce(self, enabled: bool) -> None:
+        self.requires_all_reduce = enabled
+
+    def set_reshard_after_forward(self, reshard: bool) -> None:
+        self.reshard_after_forward = reshard
+
+    def settle_reshard_after_forward(self, is_root: bool) -> None:
+        """Lazy init: unless the user chose, reshard after forward everywhere but the root."""
+        if self.reshard_after_forward is None:
+            self.reshard_after_forward = not is_root
+
+    def set_unshard_in_backward(self, enabled: bool) -> None:
+        self.unshard_in_backward = enabled
+
+    def set_reshard_after_backward(self, enabled: bool) -> None:
+        self.reshard_after_backward = enabled
+
+    def set_forward_prefetch(self, states: list) -> None:
+        self.forward_prefetch = states
+
+    def set_backward_prefetch(self, states: list) -> None:
+        self.backward_prefetch = states
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        self.gradient_divide_factor = factor
+
+    def set_force_sum_reduction(self, enabled: bool) -> None:
+        self.force_sum_reduction = enabled
+
+    def set_all_reduce_hook(self, hook: Callable | None, stream: Any) -> None:
+        self.all_reduce_hook, self.all_reduce_hook_stream = hook, stream
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        self.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        self.custom_reduce_scatter = comm
+
+    def set_max_reducing(self, limit: int) -> None:
+        self.max_reducing = limit
+
+    def set_separate_reduce_scatter(self, enabled: bool) -> None:
+        self.separate_reduce_scatter = enabled
+
 
 @dataclass
 class RootOptions:
@@ -44,6 +94,24 @@ class RootOptions:
     manual_finalization: bool = False  # set_manual_backward_finalization: finalize_backward() ends the step's backward
     lockstep: bool = False  # agree on every collective first (shardkit/lockstep.py)
     post_optim_event: Any = None  # the next forward's all-gathers wait for it, then drop it
+
+    # Set by the root's FSDPModule.set_* (module.py) and root.set_lockstep, through these only.
+    def set_is_last_backward(self, last: bool) -> None:
+        self.is_last_backward = last
+
+    def set_manual_finalization(self, enabled: bool) -> None:
+        self.manual_finalization = enabled
+
+    def set_lockstep(self, enabled: bool) -> None:
+        self.lockstep = enabled
+
+    def set_post_optim_event(self, event: Any) -> None:
+        self.post_optim_event = event
+
+    def take_post_optim_event(self) -> Any:
+        """The event set since the last forward (or None), dropped: it is used once."""
+        event, self.post_optim_event = self.post_optim_event, None
+        return event
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from shardkit.options import ParamOptions
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -51,10 +53,10 @@ class CPUOffloadPolicy(OffloadPolicy):
 _FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
 
-def check_policies(mp_policy: object, offload_policy: object) -> tuple[MixedPrecisionPolicy, bool, bool]:
-    """(mixed precision, offload?, pin memory?), from shardkit's policies or torch FSDP2's
-    (code that switched only the ``fully_shard`` import still passes torch's), with
-    messages that say what to pass instead."""
+def check_policies(mp_policy: object, offload_policy: object) -> tuple[MixedPrecisionPolicy, ParamOptions]:
+    """The mixed precision policy and what the policies ask of each parameter, from shardkit's
+    policies or torch FSDP2's (code that switched only the ``fully_shard`` import still passes
+    torch's), with messages that say what to pass instead."""
     if not all(hasattr(mp_policy, f) for f in _FIELDS):
         raise TypeError(f"mp_policy should be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     override = getattr(mp_policy, "param_dtype_override_fn", None)  # torch 2.15's field
@@ -67,4 +69,5 @@ def check_policies(mp_policy: object, offload_policy: object) -> tuple[MixedPrec
     if kind not in ("OffloadPolicy", "CPUOffloadPolicy"):
         raise TypeError(f"offload_policy should be an OffloadPolicy or CPUOffloadPolicy, got {kind}")
     offload = kind == "CPUOffloadPolicy"
-    return mp, offload, offload and bool(getattr(offload_policy, "pin_memory", True))
+    pin_memory = offload and bool(getattr(offload_policy, "pin_memory", True))
+    return mp, ParamOptions(mp.param_dtype, mp.reduce_dtype, offload, pin_memory, mp)

@@ -29,16 +29,15 @@ def lazy_init(root: GroupState) -> Schedule:
         if state is None:
             continue
         if state in seen:  # a group of several modules, met again
-            state.name += f", {fqn}"
+            state.also_named(fqn)
             continue
         if state is not root and state.schedule is not None:
             raise RuntimeError(
                 f"shardkit: the fully_shard module '{fqn}' already ran forward as its own root. "
                 "Run the first forward through the outermost fully_shard module."
             )
-        state.shared, state.name = shared, fqn
-        if state.options.reshard_after_forward is None:
-            state.options.reshard_after_forward = state is not root
+        state.join_root(shared, fqn)
+        state.options.settle_reshard_after_forward(is_root=state is root)
         states.append(state)
         seen.add(state)
     for p in (p for s in states if s.group for p in s.group.params):
@@ -49,17 +48,17 @@ def lazy_init(root: GroupState) -> Schedule:
         raise still_on_meta(meta)
     for state in states:
         if state.group is not None:
-            state.group.name = state.name
+            state.group.named(state.name)
             if not state.group.initialized:  # else an explicit unshard() before this forward made it
                 state.group.lazy_init()
-    shared.schedule = Schedule(states, root.device, shared)
+    shared.use_schedule(Schedule(states, root.device, shared))
     set_lockstep(shared, shared.options.lockstep)
     return shared.schedule
 
 
 def set_lockstep(shared: Shared, enabled: bool) -> None:
     """Give the root's schedule the lockstep collectives strategy, or the direct one (between steps)."""
-    shared.options.lockstep = enabled
+    shared.options.set_lockstep(enabled)
     schedule = shared.schedule
     if schedule is not None and isinstance(schedule.collectives, Lockstep) != enabled:  # else: at lazy init
         schedule.use(Lockstep(schedule) if enabled else Direct(schedule))
@@ -85,4 +84,4 @@ def _name_params(root_module: nn.Module, states: list[GroupState]) -> None:
     by_param = {id(p.sharded_param): p for s in states if s.group for p in s.group.params}
     for fqn, param in root_module.named_parameters(remove_duplicate=False):
         if id(param) in by_param:
-            by_param[id(param)].fqn = fqn
+            by_param[id(param)].named(fqn)

@@ -6,12 +6,13 @@ which names it as an ``Event`` of one group (does the call open the forward pass
 recomputation, are other calls of the group still open?), looks ``(phase, event)`` up in
 ``state.RULES``, enters the next phase and runs the rule's actions: the methods below of the
 same names. The schedule also owns what spans groups: the orders prefetching follows, the
-reductions in flight, the end of the forward pass (``close_pass``) and of backward
-(``end_backward``). The three steps that issue collectives (gather a group, reduce a group,
+reductions in flight (``param_group.Reducing``, which every group records its reductions
+in), the end of the forward pass (``close_pass``) and of backward (``end_backward``). The three steps that issue collectives (gather a group, reduce a group,
 the end of a pass) go through the schedule's ``collectives`` strategy: ``Direct`` here, or
 ``lockstep.Lockstep`` (agree with the other ranks, then act), swapped between steps.
-Weights tied across groups are ``state.Tied``'s business: the actions ask it. docs/design.md
-walks through a step.
+Weights tied across groups are ``state.Tied``'s business: the actions ask it and tell it
+what they did. Every record the actions change (``Step``, ``Tied``, the options) is changed
+through its own methods. docs/design.md walks through a step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.autograd import Variable
 
 from shardkit.comm import trace
 from shardkit.comm.streams import streams_for
-from shardkit.param_group import ParamGroup, Holding
+from shardkit.param_group import Holding, Reducing
 from shardkit.state import RULES, Event, GroupState, Phase, Shared, rule_for
 from shardkit.tensors import on_input_grads, on_output_grads, to_device
 
@@ -63,30 +64,34 @@ class Direct:
     def gather(self, state: GroupState) -> None:
         """Unshard ``state``'s group and wait for it."""
         if state.group is not None:
-            state.group.unshard()
+            state.group.issue_unshard()
             state.group.wait_for_unshard()
 
     def prefetch(self, target: GroupState, backward: bool) -> None:
         """Issue ``target``'s all-gather early; its own hook waits for it."""
         if target.group is not None and (target.options.unshard_in_backward or not backward):
-            target.group.unshard()
+            target.group.issue_unshard()
 
     def reduce(self, state: GroupState, reshard: bool) -> None:
         """Issue the group's reductions and reshard it; then finish, oldest first, the earlier
         reductions that have completed meanwhile, and the oldest anyway while more than
-        MAX_REDUCING are in flight. (Polling goes in issue order: every rank starts its HSDP
-        all-reduces in the same order.)"""
+        MAX_REDUCING are in flight. (Moving them on goes in issue order: every rank starts its
+        HSDP all-reduces in the same order.)"""
         group = state.group
-        group.reduce_gradients()
+        group.reduce_gradients()  # recorded in the schedule's Reducing
         if state.tied.borrower_in(Phase.PRE_BACKWARD):
             reshard = False  # that group's backward may still read the tied weights
         if reshard and group.options.reshard_after_backward:
             group.reshard()
-        reducing = self.schedule.groups_reducing
-        reducing.append(group)
+        reducing = self.schedule.reducing
         limit = group.options.max_reducing or MAX_REDUCING  # set_reduce_scatter_max_input_buffers
-        while len(reducing) > limit or len(reducing) > 1 and reducing[0].reduce_done():
-            reducing.pop(0).finish_reduce()
+        while len(reducing) > 1:
+            if len(reducing) <= limit:  # within the limit, the oldest finishes only once complete
+                oldest = reducing.oldest()
+                oldest.move_reductions_on()
+                if not oldest.reduce_done():
+                    break
+            reducing.finish_oldest()
 
     def pass_ends(self) -> None:
         """This rank's forward pass or backward is over."""
@@ -100,7 +105,10 @@ class Schedule:
         self.orders = Orders()
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
-        self.groups_reducing: list[ParamGroup] = []  # groups whose reductions are in flight, in issue order
+        self.reducing = Reducing()  # the reductions in flight, of every group: oldest first
+        for state in states:
+            if state.group is not None:
+                state.group.reduce_into(self.reducing)
         self.pins_host_memory = any(p.pin_memory for s in states if s.group for p in s.group.params)  # see finish_backward
         self.collectives: Direct = Direct(self)  # or lockstep.Lockstep: see use()
 
@@ -138,7 +146,7 @@ class Schedule:
         """The one writer of a group's phase: enter the rule's phase, then run its actions."""
         old = state.step.phase
         rule = RULES.get((old, event)) or rule_for(old, event, state.name)  # rule_for raises
-        state.step.phase = rule.next
+        state.step.enter_phase(rule.next)
         if trace.is_recording() and (rule.actions or rule.next is not old):
             trace.record("phase", state.name, f"{event.value}: {old.value} -> {rule.next.value}")
         for method in rule.methods:
@@ -165,12 +173,10 @@ class Schedule:
         over (forget the order backward prefetching followed)."""
         for state in self.states:
             if state.tied.deferred_reduce:  # the groups using its tied weights never ran backward
-                state.tied.deferred_reduce = False
+                state.tied.reduce_resumed()
                 self.collectives.reduce(state, reshard=True)
         self.collectives.pass_ends()
-        for group in self.groups_reducing:
-            group.finish_reduce()
-        self.groups_reducing = []
+        self.reducing.finish_all()
         if self.pins_host_memory:  # gradients copied to pinned host memory asynchronously
             streams_for(self.device).wait_host_copies()
         for state in self.states:
@@ -179,7 +185,7 @@ class Schedule:
         if last:
             self.orders.post_forward.clear()
             for state in self.states:
-                state.step.backward_index.clear()
+                state.step.forget_backward_order()
 
     def reset(self) -> None:
         """After an exception in forward or backward (``reset_iter_state``)."""
@@ -188,28 +194,29 @@ class Schedule:
         self.forward_root, self.in_backward = None, False
         self.orders.seen.clear()
         self.orders.post_forward.clear()
-        self.groups_reducing = []
+        self.reducing.finish_all(keep=False)  # (drop_step finished each group's: this forgets them)
 
     # Forward actions ---------------------------------------------------------------------------
     def open_pass(self, state: GroupState, call: Call) -> None:
         self.forward_root = state
         if self.device.type != "cpu":  # like DDP and FSDP2
             call.args, call.kwargs = to_device((call.args, call.kwargs), self.device)
-        event, self.shared.options.post_optim_event = self.shared.options.post_optim_event, None
+        event = self.shared.options.take_post_optim_event()
         if event is not None:
             streams_for(self.device).all_gathers_wait_for(event)
 
     def begin_calls(self, state: GroupState, call: Call) -> None:
-        state.step.calls, state.step.to_run = 1, set(state.modules)
+        state.step.begin_calls(state.modules)
 
     def enter(self, state: GroupState, call: Call) -> None:
-        state.step.calls += 1
+        state.step.enter()
 
     def leave(self, state: GroupState, call: Call) -> None:
-        state.step.calls -= 1
-        state.step.to_run.discard(call.module)
+        state.step.leave(call.module)
 
     def unshard(self, state: GroupState, call: Call | None) -> None:
+        """Issue the all-gathers and wait for them (the action's name is the rules' word for
+        both): this group's, and its tied weights' owners'."""
         for group_state in (state, *state.tied.owners):
             self.collectives.gather(group_state)
 
@@ -246,7 +253,7 @@ class Schedule:
         if not torch.is_grad_enabled():
             return  # no backward follows
         if not self.in_backward:  # a recomputation keeps the forward's order
-            state.step.backward_index.append(len(self.orders.post_forward))
+            state.step.ran_forward_at(len(self.orders.post_forward))
             self.orders.post_forward.append(state)
         on_output_grads(call.output, functools.partial(_pre_backward, state))
 
@@ -277,7 +284,7 @@ class Schedule:
         if state.options.backward_prefetch is not None:
             targets = state.options.backward_prefetch
         elif state.step.backward_index:
-            i = state.step.backward_index.pop()
+            i = state.step.pop_backward_index()
             targets = self.orders.post_forward[i - 1 : i] if i > 0 else ()
         else:
             targets = ()
@@ -285,20 +292,26 @@ class Schedule:
             self.collectives.prefetch(target, backward=True)
 
     def reduce(self, state: GroupState, call: None) -> None:
-        if state.group is not None and not state.tied.defer_reduce():
-            self.collectives.reduce(state, reshard=True)
-        for owner in state.tied.owners_ready_to_reduce():
+        if state.group is not None:
+            if state.tied.reduce_waits():
+                state.tied.defer_reduce()
+            else:
+                self.collectives.reduce(state, reshard=True)
+        ready = state.tied.owners_ready_to_reduce()
+        for owner in ready:  # (every one of them told first, as a reduce may fire other groups' events)
+            owner.tied.reduce_resumed()
+        for owner in ready:
             self.collectives.reduce(owner, reshard=owner.step.phase is not Phase.PRE_BACKWARD)
 
     def end_step(self, state: GroupState, call: None) -> None:
-        state.step.calls, state.step.to_run = 0, set()
+        state.step.end_calls()
         if state.group is not None and state.group.holding is Holding.GATHERING:
             state.group.reshard()  # prefetched, then not used
 
     def drop_step(self, state: GroupState, call: None) -> None:
-        step = state.step
-        step.calls, step.to_run, state.tied.deferred_reduce = 0, set(), False
-        step.backward_index.clear()
+        state.step.end_calls()
+        state.tied.reduce_resumed()  # (dropped with the step)
+        state.step.forget_backward_order()
         if state.group is not None:
             state.group.finish_reduce(keep=False)
             state.group.reshard()

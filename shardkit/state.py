@@ -148,6 +148,14 @@ class Shared:
     schedule: Any = None  # the root's Schedule (schedule.py), made at lazy init
     comm_ctx: Any = field(default_factory=object)  # its identity: which roots share_comm_ctx joined
 
+    def use_schedule(self, schedule: Any) -> None:
+        """Lazy init: the root's schedule, which every group under it reports to."""
+        self.schedule = schedule
+
+    def share_comm_ctx(self, ctx: Any) -> None:
+        """``share_comm_ctx``: report ``ctx`` (another root's) as ours."""
+        self.comm_ctx = ctx
+
 
 @dataclass(eq=False)
 class Tied:
@@ -156,7 +164,8 @@ class Tied:
     the same parameter in its own modules and unshards the owner's group around its own
     forward and backward. Autograd sums both uses into the one ``.grad``; the owner reduces it
     once, after every group using it has passed its post-backward. The schedule's actions ask
-    this helper; nothing else in the schedule knows about tied weights."""
+    this helper and tell it what they did; nothing else in the schedule knows about tied
+    weights, and only these methods write its fields."""
 
     owners: list["GroupState"] = field(default_factory=list)  # groups whose tied weights we use
     borrowers: list["GroupState"] = field(default_factory=list)  # groups using our tied weights
@@ -175,29 +184,61 @@ class Tied:
         """Owners whose tied weights our forward gathered and which do not run now themselves."""
         return [o for o in self.owners if o.step.phase is not Phase.FORWARD and o.options.reshard_after_forward]
 
-    def defer_reduce(self) -> bool:
-        """Whether our reduction waits: a group using our tied weights still adds gradients."""
-        waits = any(b.step.phase is not Phase.POST_BACKWARD for b in self.borrowers)
-        self.deferred_reduce |= waits
-        return waits
+    def reduce_waits(self) -> bool:
+        """Whether our reduction must wait: a group using our tied weights still adds gradients."""
+        return any(b.step.phase is not Phase.POST_BACKWARD for b in self.borrowers)
+
+    def defer_reduce(self) -> None:
+        """Our reduction waits (``reduce_waits``): the last borrower's post-backward, or the end
+        of backward, issues it."""
+        self.deferred_reduce = True
 
     def owners_ready_to_reduce(self) -> list["GroupState"]:
         """Owners that deferred their reduction for us and every other borrower: all are done."""
-        ready = [o for o in self.owners if o.tied.deferred_reduce and all(b.step.phase is Phase.POST_BACKWARD for b in o.tied.borrowers)]
-        for owner in ready:
-            owner.tied.deferred_reduce = False
-        return ready
+        return [o for o in self.owners if o.tied.deferred_reduce and all(b.step.phase is Phase.POST_BACKWARD for b in o.tied.borrowers)]
+
+    def reduce_resumed(self) -> None:
+        """Our deferred reduction is being issued now (or dropped with the step)."""
+        self.deferred_reduce = False
 
 
 @dataclass
 class Step:
-    """Where a group is in the current step; the schedule writes it: ``phase`` only through
-    ``RULES`` (``Schedule.fire``), the rest in the actions the rules name."""
+    """Where a group is in the current step; the schedule changes it through these methods:
+    ``phase`` only through ``RULES`` (``Schedule.fire``), the rest in the actions the rules name."""
 
     phase: Phase = Phase.IDLE
     calls: int = 0  # forward calls entered and not yet left
     to_run: set = field(default_factory=set)  # modules of the group yet to run in this forward
     backward_index: list[int] = field(default_factory=list)  # places in the post-forward order
+
+    def enter_phase(self, phase: Phase) -> None:
+        self.phase = phase
+
+    def begin_calls(self, modules: tuple[nn.Module, ...]) -> None:
+        """A forward of the group starts: one open call, every module yet to run."""
+        self.calls, self.to_run = 1, set(modules)
+
+    def enter(self) -> None:
+        self.calls += 1
+
+    def leave(self, module: nn.Module | None) -> None:
+        self.calls -= 1
+        self.to_run.discard(module)
+
+    def end_calls(self) -> None:
+        self.calls, self.to_run = 0, set()
+
+    def ran_forward_at(self, index: int) -> None:
+        """Our forward ended at ``index`` of the post-forward order (backward prefetch walks it back)."""
+        self.backward_index.append(index)
+
+    def pop_backward_index(self) -> int:
+        """The place of our latest forward not yet met in backward, forgotten here."""
+        return self.backward_index.pop()
+
+    def forget_backward_order(self) -> None:
+        self.backward_index.clear()
 
 
 @dataclass(eq=False, repr=False)  # compared by identity: it sits in sets and lists of groups
@@ -218,6 +259,18 @@ class GroupState:
     @property
     def schedule(self) -> Any:
         return self.shared.schedule
+
+    def join_root(self, shared: Shared, fqn: str) -> None:
+        """Lazy init: our root's shared record, and our FQN under it."""
+        self.shared, self.name = shared, fqn
+
+    def nest_in(self, parent: "GroupState") -> None:
+        """A later ``fully_shard`` call on a module around ours: it is our parent."""
+        self.parent = parent
+
+    def also_named(self, fqn: str) -> None:
+        """Lazy init: another module of the group, met under the root at ``fqn``."""
+        self.name += f", {fqn}"
 
     def __repr__(self) -> str:
         return f"GroupState({self.name or '<root>'!r}, {self.step.phase.value})"

@@ -17,6 +17,19 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return _apply_to_tensors(cast, obj)
 
 
+def cast_inputs(policy: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward's arguments as a ``MixedPrecisionPolicy`` casts them: in ``param_dtype`` unless
+    ``cast_forward_inputs`` is off."""
+    if policy.param_dtype is None or not policy.cast_forward_inputs:
+        return args, kwargs
+    return cast_floating((args, kwargs), policy.param_dtype)
+
+
+def cast_output(policy: Any, output: Any) -> Any:
+    """A forward's output as a ``MixedPrecisionPolicy`` casts it: in ``output_dtype``, if set."""
+    return output if policy.output_dtype is None else cast_floating(output, policy.output_dtype)
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside nested tuples, lists, dicts and dataclasses (model outputs)."""
     if isinstance(obj, torch.Tensor):

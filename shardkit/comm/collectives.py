@@ -11,7 +11,8 @@ Every collective is split in two: ``all_gather`` / ``reduce_scatter`` issue it (
 the collective, through ``comm/streams.py``, which says where they run) and return a pending
 record; ``finish_all_gather`` / ``Reduction.finish`` wait for it and hand the result over
 (copy-out, on the compute stream). The same steps on every device. A reduction takes one of
-four routes, each a ``Reduction`` subclass with its own collective and read-back.
+four routes, each a ``Reduction`` subclass with its own collective and read-back; making one
+issues nothing, its ``issue`` does.
 
 The reduce-scatter carries one extra column per parameter, the **grad-presence column**: 1
 where this rank produced a gradient, else 0. After the sum it tells every rank whether any
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,7 @@ class ReduceSettings:
     divide_by: float  # the sum over ranks is divided by this (the ranks, or the user's factor)
     replicate: Comm | None = None  # HSDP: all-reduce the chunk over the replicas after (unless keep_partial)
     partial: tuple | None = None  # HSDP: (chunk, ranks it is averaged over) kept without all-reduce, added first
-    keep_partial: dict | None = None  # HSDP without all-reduce: store the chunk here (by bucket key)
+    keep_partial: Callable[[tuple], None] | None = None  # HSDP without all-reduce: called with (chunk, ranks averaged over) instead
     custom: Any = None  # the user's ReduceScatter (set_custom_reduce_scatter)
     hook: tuple | None = None  # (hook, stream) of set_all_reduce_hook
     force_sum: bool = False  # set_force_sum_reduction_for_comms: ReduceOp.SUM, then divide
@@ -163,12 +164,15 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
         route = AllToAllSum if plain else AllReduceRow
     else:
         route = ReduceScatter
-    return route(bucket, grads, comm, name, settings)
+    reduction = route(bucket, comm, name, settings)
+    reduction.issue(grads)
+    return reduction
 
 
 class Reduction:
-    """One issued reduction of a bucket's gradients, in the bucket's dtype (``reduce_dtype``),
-    divided by ``settings.divide_by``; ``finish`` hands each parameter its rows as ``.grad``.
+    """One reduction of a bucket's gradients, in the bucket's dtype (``reduce_dtype``), divided
+    by ``settings.divide_by``: made (its ops and divisors), then ``issue``d; ``move_on`` starts
+    what may start without blocking, and ``finish`` hands each parameter its rows as ``.grad``.
     The subclasses are the routes: each has its own collective (``_launch(send, op, async_op)``
     on ``send`` ``(world, per_rank + n)``, returning the work, its output and its input) and
     reads its own result back (``_reduced``).
@@ -182,11 +186,20 @@ class Reduction:
 
     via = ""  # the trace's detail: how the route reduces
 
-    def __init__(self, bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm, name: str, settings: ReduceSettings) -> None:
-        self.bucket, self.comm, self.settings = bucket, comm, settings
-        self.missing = [i for i, g in enumerate(grads) if g is None]  # parameters this rank has no gradient for
-        pre, self.divide_by, op, replicate_op = _reduce_ops(comm, settings, bucket.dtype)
-        self.averaged_over = comm.world if op == dist.ReduceOp.AVG else 1  # 1: the chunk holds sums
+    def __init__(self, bucket: Bucket, comm: Comm, name: str, settings: ReduceSettings) -> None:
+        self.bucket, self.comm, self.name, self.settings = bucket, comm, name, settings
+        self.pre, self.divide_by, self.op, self.replicate_op = _reduce_ops(comm, settings, bucket.dtype)
+        self.averaged_over = comm.world if self.op == dist.ReduceOp.AVG else 1  # 1: the chunk holds sums
+        self.missing: list[int] = []  # parameters this rank has no gradient for
+        self.chunk: torch.Tensor | None = None  # this rank's reduced row, once issued
+        self.handles: list[Handle] = []  # the reduction, then (HSDP) what continues it over the replicas
+        self._complete = False  # as ``move_on`` last found it
+
+    def issue(self, grads: list[torch.Tensor | None]) -> None:
+        """Issue the collective on the unsharded grads (None where this rank has none), and
+        (HSDP) the all-reduce over the replicas that continues it."""
+        bucket, comm, name, settings, pre, op = self.bucket, self.comm, self.name, self.settings, self.pre, self.op
+        self.missing = [i for i, g in enumerate(grads) if g is None]
         numel = comm.world * (bucket.per_rank + len(bucket.params))
         traced = trace.record("reduce_scatter", name, self.via, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim, op=_op_name(op), divide_by=self.divide_by) if trace.is_recording() else None
         check.before(comm.process_group, "reduce_scatter", name, bucket.dtype, numel, comm.world)
@@ -200,9 +213,9 @@ class Reduction:
 
         handle = comm.streams.issue(Collective("reduce_scatter", name, traced, comm.at_once), {"unsharded gradients": grads}, launch)
         self.chunk = handle.buffers["output"]
-        self.handles = [handle]  # the reduction, then (HSDP) what continues it over the replicas
+        self.handles = [handle]
         if settings.partial is not None or settings.replicate is not None and settings.keep_partial is None:
-            self.handles.append(_over_replicas(handle, self.chunk, comm.streams, name, settings, replicate_op, self.averaged_over))
+            self.handles.append(_over_replicas(handle, self.chunk, comm.streams, name, settings, self.replicate_op, self.averaged_over))
 
     def _reduced(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's reduced rows ``(per_rank,)`` and the summed presence columns ``(n,)``."""
@@ -214,10 +227,14 @@ class Reduction:
             reduced.div_(self.divide_by)  # not at all when the collective averaged
         return reduced
 
+    def move_on(self) -> None:
+        """Move the reduction on without blocking: start the HSDP all-reduce once its
+        reduce-scatter is done (on the CPU); note whether all of it has completed."""
+        self._complete = all(h.poll() for h in self.handles)  # in order, stopping at the first not done
+
     def done(self) -> bool:
-        """Whether the reduction has completed, moving it on without blocking (starting the HSDP
-        all-reduce once its reduce-scatter is done, on the CPU)."""
-        return all(h.poll() for h in self.handles)  # in order, stopping at the first not done
+        """Whether ``move_on`` found the reduction complete (asks the backend nothing)."""
+        return self._complete
 
     def finish(self, keep: bool = True) -> None:
         """Wait for the reduction and give each parameter its rows as (part of) ``.grad``
@@ -228,7 +245,7 @@ class Reduction:
             return
         settings, bucket = self.settings, self.bucket
         if settings.keep_partial is not None:  # HSDP, all-reduce skipped: .grad waits for the next one
-            settings.keep_partial[tuple(map(id, bucket.params))] = (self.chunk, self.averaged_over)
+            settings.keep_partial((self.chunk, self.averaged_over))
             return
         reduced, counts = self._reduced()
         # Our own gradient implies a nonzero count, so we read the counts back (a device sync on

@@ -44,6 +44,13 @@ _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimi
 groups: weakref.WeakSet = weakref.WeakSet()
 
 
+def report_steps_to(group) -> None:
+    """Tell ``group`` (a ``ParamGroup``) of every optimizer step over its parameters, through
+    its ``shards_changed()``."""
+    install_once()
+    groups.add(group)
+
+
 def install_once() -> None:
     """Register the process-wide step hooks (from the first ``fully_shard`` call)."""
     global _installed
@@ -64,7 +71,7 @@ def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> N
     held = {id(p) for opt_group in optimizer.param_groups for p in opt_group["params"]}
     for group in list(groups):
         if group.initialized and any(id(p.sharded_param) in held for p in group.params):
-            group.gathered_version = None
+            group.shards_changed()
 
 
 def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

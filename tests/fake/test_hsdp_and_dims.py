@@ -72,7 +72,7 @@ def test_hsdp_without_all_reduce_keeps_sums_until_it_is_back_on():
             net(torch.randn(4, 6)).sum().backward()
         assert t.summary()["all_reduce"].calls == 3
         assert all(p.grad is not None for p in net.parameters())
-        assert not net._shardkit().group.parts[0].layout.partial  # the kept sums were added and dropped
+        assert not net._shardkit().group.parts[0].plan.partial  # the kept sums were added and dropped
 
 
 class Experts(nn.Module):

@@ -255,9 +255,9 @@ def test_set_separate_reduce_scatter_group_before_the_first_forward():
         net.blocks[0].set_separate_reduce_scatter_group()
         t = first_step(net)
         group = net.blocks[0]._shardkit().group
-        separate, default = group.parts[0].layout.separate.process_group, group.parts[0].layout.comm.process_group
+        separate, default = group.parts[0].plan.separate.process_group, group.parts[0].plan.comm.process_group
         assert separate is not default and torch.distributed.get_process_group_ranks(separate) == [0, 1, 2, 3]
-        assert net.blocks[1]._shardkit().group.parts[0].layout.separate is None  # not recursive to siblings
+        assert net.blocks[1]._shardkit().group.parts[0].plan.separate is None  # not recursive to siblings
     assert calls(t, "reduce_scatter") == Counter({"blocks.2": 1, "blocks.1": 1, "blocks.0": 1, "": 1})
 
 

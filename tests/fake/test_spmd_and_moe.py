@@ -177,7 +177,7 @@ def test_share_comm_ctx_checks_its_modules():
         shardkit.share_comm_ctx([a, b])
         a(torch.randn(2, 4)).sum().backward()
         b(torch.randn(2, 4)).sum().backward()
-        assert a._shardkit().group.parts[0].layout.comm.streams is b._shardkit().group.parts[0].layout.comm.streams
+        assert a._shardkit().group.parts[0].plan.comm.streams is b._shardkit().group.parts[0].plan.comm.streams
         # torch code tells roots apart by their context (2.15's pipelining): shared here, not elsewhere
         c = torch.nn.Linear(4, 4)
         shardkit.fully_shard(c, mesh=mesh)

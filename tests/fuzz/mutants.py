@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # name: (file, the line as it is, the line as the mutant has it, what it breaks)
 MUTANTS = {
-    "stale-mark-dropped": ("shardkit/optim/local_step.py", "group.gathered_version = None", "pass",
+    "stale-mark-dropped": ("shardkit/optim/local_step.py", "group.shards_changed()", "pass",
                            "an optimizer step no longer marks gathered data stale"),
     "avg-for-a-divide-factor": ("shardkit/comm/collectives.py", "if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):", "if averages:",
                                 "the backend averages even when the user's divide factor is not the world"),
@@ -43,7 +43,7 @@ MUTANTS = {
                            "every shard padded by one row too many"),
     "prefetch-wrong-group": ("shardkit/schedule.py", "targets = order[i : i + 1]", "targets = order[i + 1 : i + 2]",
                              "forward prefetch issues the group after the next one"),
-    "root-reduce-dropped": ("shardkit/schedule.py", "        if state.group is not None and not state.tied.defer_reduce():", "        if state.group is not None and not state.tied.defer_reduce() and state is not self.states[0]:",
+    "root-reduce-dropped": ("shardkit/schedule.py", "            else:\n                self.collectives.reduce(state, reshard=True)", "            elif state is not self.states[0]:\n                self.collectives.reduce(state, reshard=True)",
                             "the root group's gradients are never reduced"),
     "all-gather-reused-across-steps": ("shardkit/param_group.py", "return self.gathered_version == self._shard_version()", "return True",
                                        "kept unsharded data is reused after an optimizer step"),
