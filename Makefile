@@ -70,7 +70,7 @@ test-fast: $(STAMP)
 # the pipelining check; the compiled mode's checks, whose torch.compile runs are long) beside
 # them (their output after), so that both lanes take about as long.
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py tests/fake/test_compiled_graphs.py
-SIM_TESTS = tests/unit tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
+SIM_TESTS = tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py \
 	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py tests/gloo/test_clip_four_ranks.py tests/gloo/test_pretrained.py \
@@ -90,9 +90,9 @@ test-all: $(STAMP)
 	$(PYTEST) tests
 
 # (Not the compiled mode's fake-PG tests: torch.compile does not trace under the checker's dispatch mode; not
-# test_muon_api.py: plain tensors, no streams, and its sparse gradient has no storage for the checker.)
+# tests/unit: plain tensors and no process group, so no stream to check.)
 test-sim: $(STAMP)
-	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) --ignore=tests/fake/test_compiled_graphs.py --ignore=tests/unit/test_muon_api.py
+	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) --ignore=tests/fake/test_compiled_graphs.py
 
 # The differential fuzzer for FUZZ_S seconds (a third on the fake process group, the rest on 2
 # gloo ranks); prints its seed (rerun one with FUZZ_SEED=N) and shrinks a failure to a repro
