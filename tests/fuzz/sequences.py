@@ -356,6 +356,11 @@ class Run:
         self.user_unsharded: set[str] = set()  # groups unshard() was called on, not resharded since
         self.kept_after_backward: set[str] = set()  # set_reshard_after_backward(False)
         self.lockstep = False
+        # set_reduce_scatter_unused_params(True) with parameters no rank uses: FSDP2 gives them
+        # zero gradients, which its optimizer then steps; shardkit leaves them None, as the
+        # unsharded model does (the numerics tier drops FSDP2 there: "set (zeros) where the
+        # reference's is None"). Muon's all-to-alls then carry other matrices: not compared.
+        self.fsdp2_zero_grads = False
         self.muon_steps = 0  # optimizer steps Muon took on the reference (see tolerance)
         self.log: list[str] = []
         self._new_optimizers()
@@ -414,6 +419,8 @@ class Run:
             # A prefetch of a group that already ran in this pass: FSDP2 keeps that all-gather
             # for the group's next unshard (in the other pass), shardkit frees it at the pass's end.
             self.gathers_comparable = False
+        if name == "set" and args[0] == "reduce_scatter_unused_params" and args[2] and self.spec.unused:
+            self.fsdp2_zero_grads = True
         if name == "set" and args[0] == "lockstep" and args[2]:
             self.lockstep = True  # its agreements are collectives of their own: nothing to compare
         if name in ("forward", "train", "raise_in_forward"):
@@ -577,6 +584,8 @@ class Run:
             return
         mine, theirs = comparable(self.sides[0].seen), comparable(self.sides[1].seen)
         labels = ("all-gathers (dtype, numel)", "reductions (op)", "all-reduces (op)", "the optimizer's all-to-alls (dtype, sent, received)")
+        if self.fsdp2_zero_grads:
+            mine, theirs = mine[:3], theirs[:3]
         # Compiled mode run eagerly keeps a group's gathered parameters from forward to backward
         # (autograd saves them), where FSDP2 gathers a resharded group again: not compared.
         first = 0 if self.gathers_comparable and not (self.spec.compiled_mode and cmd[0] == "backward") else 1
