@@ -526,7 +526,11 @@ class Run:
         or with ``of_largest`` of the tensor's largest element (bf16 math against an fp32
         reference: its error scales with the tensor, not each element)."""
         if self.spec.mp:
-            return dict(rtol=1e-1, atol=2e-2, of_largest=True)  # FSDP2 is compared tightly
+            # bf16 compute against the fp32 reference, relative to the largest element; with
+            # ``mixed`` the float64 parameter is computed in bf16 too (FSDP2 refuses that model),
+            # a second rounding on the same path: 0.15 (make fuzz seed 2915 measured 0.113 of the
+            # largest after Muon and load_reference(2.0), the same in eager and compiled mode).
+            return dict(rtol=1.5e-1 if self.spec.mixed else 1e-1, atol=2e-2, of_largest=True)  # FSDP2 is compared tightly
         if self.muon_steps:
             # Muon's Newton-Schulz runs in bf16 on both sides: a gradient's last bit (the sharded
             # sum's order) can flip a bf16 rounding, and Newton-Schulz amplifies it (a batch of 4
@@ -545,7 +549,7 @@ class Run:
         scale = want.double().abs().max() if tol["of_largest"] else want.double().abs()
         bound = tol["atol"] + tol["rtol"] * scale
         if bool((diff > bound).any()):
-            self._fail_or_drop(side, f"{what}: max |diff| {diff.max().item():.3g} from the unsharded reference (tolerance {tol})")
+            self._fail_or_drop(side, f"{what}: max |diff| {diff.max().item():.3g} from the unsharded reference (tolerance {tol}; largest {want.double().abs().max().item():.3g}, got largest {got.double().abs().max().item():.3g})")
 
     def _fail_or_drop(self, side: Side, why: str) -> None:
         if side.impl == "shardkit":
