@@ -18,6 +18,22 @@ def fake_world(world: int, rank: int = 0):
         yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, which hold the meshes they were made on.
+
+    Two meshes of the same shape in successive fake worlds compare equal, so a decision cached in
+    the first world hands its DTensors the first world's mesh, whose process groups are gone
+    ("Could not resolve the process group registered under the name 2"); a process that opens
+    one world after another forgets them when each world ends."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from shardkit.checkpoint import (
     ModelMismatchError,
     UnsafeCheckpointError,
 )
+from tests.conftest import forget_meshes
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def mesh(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
+    forget_meshes()
 
 
 def model(mesh, width: int = 8, extra_layer: bool = False) -> nn.Module:

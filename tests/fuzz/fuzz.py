@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,26 +22,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gloo"))  # as tests/gloo/conftest.py has it
 
-from gloo_harness import _grace  # noqa: E402
+from gloo_harness import _grace, start_rank  # noqa: E402
+
+from tests.fuzz import gloo_fuzz  # noqa: E402
 
 
 def spawn_gloo(env: dict, timeout_s: float, stream: bool = True) -> tuple[dict | None, str]:
     """Run tests/fuzz/gloo_fuzz.py on 2 gloo ranks; (rank 0's result, both ranks' output tails)."""
     with tempfile.TemporaryDirectory() as tmp:
         base = {**os.environ, **env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-        logs, procs = [], []
-        for rank in range(2):
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")
-            out = None if stream and rank == 0 else log
-            cmd = [sys.executable, "-m", "tests.fuzz.gloo_fuzz", tmp, str(Path(tmp) / "init")]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**base, "RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT))
-            logs.append(log)
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(2)]
+        procs = [start_rank(gloo_fuzz.main, (Path(tmp), str(Path(tmp) / "init")), {**base, "RANK": str(rank)},
+                            None if stream and rank == 0 else log) for rank, log in enumerate(logs)]
         _grace(procs, timeout_s)  # then killed
-        tails = []
-        for rank, log in enumerate(logs):
-            log.seek(0)
-            tails.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{log.read()[-4000:]}")
-            log.close()
+        tails = [f"--- rank {rank} (exit {procs[rank].exitcode}) ---\n{log.read_text(errors='replace')[-4000:] if log.exists() else ''}"
+                 for rank, log in enumerate(logs)]
         result_file = Path(tmp) / "result.json"
         result = json.loads(result_file.read_text()) if result_file.exists() else None
         return result, "\n".join(tails)

@@ -156,8 +156,7 @@ def replay(meshes: dict, path: str) -> str | None:
     return run_example(spec, commands, meshes, verbose=True)
 
 
-def main() -> None:
-    out_dir, init_file = Path(sys.argv[1]), sys.argv[2]
+def main(out_dir: Path, init_file: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
     torch.set_num_threads(1)
@@ -180,4 +179,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]), sys.argv[2])

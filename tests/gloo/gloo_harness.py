@@ -3,8 +3,8 @@
 Spawning ranks costs seconds (each rank imports torch and shardkit: far longer than most
 modules' checks take), so a test module registers its checks with ``Checks`` and the
 module-scoped fixture ``gloo_outcomes`` (conftest.py) asks for the outcomes of its module.
-The first such request spawns ``world`` worker processes (``python gloo_harness.py``) that
-run the checks of every gloo module pytest selected with the same world, one module after
+The first such request starts ``world`` worker processes (``start_rank``: forked from one
+process that imported torch once, as ``python gloo_harness.py`` would run) that run the checks of every gloo module pytest selected with the same world, one module after
 the other (a ``Batch``); each later module then finds its outcomes ready. Only the cases
 pytest selected run (``pytest -k`` narrows the spawned ranks' work too).
 
@@ -27,11 +27,13 @@ of SHARDKIT_GLOO_CASES.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
+import multiprocessing
 import os
 import re
-import subprocess
+import signal
 import sys
 import time
 import traceback
@@ -121,12 +123,11 @@ def run_worker(checks: Checks) -> None:
     _run_plan(Path(sys.argv[1]), sys.argv[2], [(module_file, lambda: (checks, select_cases(checks.cases(), names)))])
 
 
-def _main() -> None:
-    """Entry point of a batch rank: ``python gloo_harness.py <out_dir> <init_file>``, the plan
-    in out_dir/plan.json."""
-    out_dir = Path(sys.argv[1])
+def _main(out_dir: Path, init_file: str) -> None:
+    """Entry point of a batch rank (``start_rank``, or ``python gloo_harness.py <out_dir>
+    <init_file>``), the plan in out_dir/plan.json."""
     plan = json.loads((out_dir / "plan.json").read_text())
-    _run_plan(out_dir, sys.argv[2], [(e["file"], lambda e=e: _load(e["file"], e["cases"])) for e in plan])
+    _run_plan(out_dir, init_file, [(e["file"], lambda e=e: _load(e["file"], e["cases"])) for e in plan])
 
 
 def _load(module_file: str, names: list[str] | None) -> tuple[Checks, list[Case]]:
@@ -218,6 +219,41 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 # Parent side -----------------------------------------------------------------------------
+# Ranks are forked from one server process per test process (multiprocessing's forkserver,
+# started by the first rank) that has imported these once: a rank then starts in a fraction of
+# a second instead of importing torch and the test dependencies for seconds. The server is a
+# fresh interpreter (nothing of the test process's state, no thread, no process group);
+# shardkit is imported by each rank, after its environment is set (SHARDKIT_STREAMS).
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "torch.testing", "numpy", "hypothesis", "safetensors", "transformers"]
+
+
+def start_rank(target: Callable, args: tuple, env: dict[str, str], log: Path | None) -> multiprocessing.Process:
+    """``target(*args)`` in a forked rank with exactly ``env`` as its environment, its stdout and
+    stderr to ``log`` (None: this process's). Its ``exitcode`` is what ``python`` would return."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts (a missing one is skipped)
+    proc = context.Process(target=_rank_entry, args=(target, args, env, None if log is None else str(log)),
+                           name=f"rank{env.get('RANK', '')}")
+    proc.start()
+    return proc
+
+
+def _rank_entry(target: Callable, args: tuple, env: dict[str, str], log: str | None) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    faulthandler.register(signal.SIGUSR1)  # _grace: where a rank hangs, in its log before it is killed
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # the server read it before the rank's env
+    target(*args)
+
+
 @dataclass
 class Outcomes:
     """What every rank reported for one module, plus the tail of its stderr for crashes and
@@ -297,21 +333,15 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
     files = [str(Path(f).resolve()) for f in modules]
     (tmp / "plan.json").write_text(json.dumps([{"file": f, "cases": modules[m]} for f, m in zip(files, modules)]))
     env = {k: v for k, v in os.environ.items() if k != CASES_ENV}
-    env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    # TORCHINDUCTOR_COMPILE_THREADS=1: inductor compiles in the rank, without a pool of worker
+    # processes (each importing torch) for the checks that compile with it
+    env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
     start = time.monotonic()
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(tmp / f"rank{rank}.stderr", "w+")
-        cmd = [sys.executable, __file__, str(tmp), str(tmp / "init_file")]
-        procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
+    logs = [tmp / f"rank{rank}.stderr" for rank in range(world)]
+    procs = [start_rank(_main, (tmp, str(tmp / "init_file")), {**env, "RANK": str(rank)}, log) for rank, log in enumerate(logs)]
     timed_out = _wait(procs, tmp / "rank0.json", timeout_s)
     batch = Batch(dict(zip(files, modules.values())), world, wall_s=time.monotonic() - start)
-    tails = []
-    for log in logs:
-        log.seek(0)
-        tails.append(log.read()[-3000:])
-        log.close()
+    tails = [log.read_text(errors="replace")[-3000:] if log.exists() else "" for log in logs]
     reports = []
     for rank in range(world):
         path = tmp / f"rank{rank}.json"
@@ -334,12 +364,12 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
     return batch
 
 
-def _wait(procs: list[subprocess.Popen], progress: Path, timeout_s: float) -> bool:
+def _wait(procs: list[multiprocessing.Process], progress: Path, timeout_s: float) -> bool:
     """Wait for the ranks; kill them all when the module rank 0 is on has run ``timeout_s``
     (the first from the spawn) or one rank exits with an error. True: killed at a deadline."""
     current, deadline = None, time.monotonic() + timeout_s
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [p.exitcode for p in procs]
         if all(c is not None for c in codes):
             return False
         if any(c not in (None, 0) for c in codes):  # a crashed rank leaves the others waiting
@@ -357,18 +387,18 @@ def _wait(procs: list[subprocess.Popen], progress: Path, timeout_s: float) -> bo
         time.sleep(0.05)
 
 
-def _grace(procs: list[subprocess.Popen], seconds: float) -> None:
+def _grace(procs: list[multiprocessing.Process], seconds: float) -> None:
     """Give the other ranks ``seconds`` to notice and write their outcomes, then kill them."""
     end = time.monotonic() + seconds
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.join(timeout=max(0.0, end - time.monotonic()))
+    stuck = [proc for proc in procs if proc.exitcode is None]
+    for proc in stuck:
+        os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(0.5 if stuck else 0)
+    for proc in stuck:
+        proc.kill()
+        proc.join()
 
 
 def spawn_ranks(module_file: str, world: int, tmp: Path, timeout_s: float = TIMEOUT_S,
@@ -382,4 +412,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gloo_harness  # this file under its own name: the modules' ``Checks`` are its class
 
-    gloo_harness._main()
+    gloo_harness._main(Path(sys.argv[1]), sys.argv[2])

@@ -12,7 +12,7 @@ import torch.nn as nn
 import shardkit
 from shardkit import fully_shard
 from shardkit.comm import collectives
-from tests.conftest import fake_world
+from tests.conftest import fake_world, forget_meshes
 
 
 @contextlib.contextmanager
@@ -22,6 +22,7 @@ def gloo_world_of_one():
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
 
 
 class TwoBlocks(nn.Module):
