@@ -146,7 +146,7 @@ def plan(
         groups = pm.group_params(model, names_of_blocks, world, param_dtype, reduce_dtype)
         raf = _normalize_raf(reshard_after_forward, world)
         for g in groups:
-            g.reshard_after_forward = raf if g.name else None
+            g.choose_reshard(raf)
         if activation_checkpointing:
             for g in groups:
                 if g.name:
@@ -205,7 +205,7 @@ def fit_budget(p: Plan, budget: int, node_size: int = 8) -> Plan:
         return sim.simulate(p.groups, p._profile, p.prefetch, p._optimizer, p._foreach).peak
 
     for g in p.groups:
-        g.reshard_after_forward = True if g.name else None
+        g.choose_reshard(True)
     for depth in (2, 1, 0):
         p.prefetch = depth
         if peak() <= budget:
@@ -218,11 +218,11 @@ def fit_budget(p: Plan, budget: int, node_size: int = 8) -> Plan:
     options = [False] + ([node_size] if 1 < node_size < world and world % node_size == 0 else [])
     for g in sorted((g for g in p.groups if g.name), key=lambda g: -p._profile.forward.get(g.name, (0, 0))[0]):
         for choice in options:
-            g.reshard_after_forward = choice
+            g.choose_reshard(choice)
             if peak() <= budget:
                 break
         else:
-            g.reshard_after_forward = True
+            g.choose_reshard(True)
     p.memory = sim.simulate(p.groups, p._profile, p.prefetch, p._optimizer, p._foreach)
     p.comm = communication(p.groups, p.mesh_shape[0] if "replicate" in p.mesh_dim_names else 1)
     kept = sum(1 for g in p.groups if g.reshard_after_forward is False)

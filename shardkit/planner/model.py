@@ -58,6 +58,10 @@ class GroupInfo:
     params: list[ParamInfo] = field(default_factory=list)
     reshard_after_forward: bool | int | None = None  # None: True for a block, False for the root
 
+    def choose_reshard(self, value: bool | int) -> None:
+        """The planner's setting for this group; the root keeps None (it is not resharded after forward)."""
+        self.reshard_after_forward = value if self.name else None
+
     @property
     def numel(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
