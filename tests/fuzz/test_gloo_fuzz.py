@@ -12,7 +12,7 @@ from tests.fuzz.fuzz import spawn_gloo
 pytestmark = pytest.mark.subprocess
 
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
-EXAMPLES = int(os.environ.get("FUZZ_GLOO_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FUZZ_GLOO_EXAMPLES", "60"))
 
 
 def test_random_call_sequences_train_as_the_unsharded_model_and_fsdp2(tmp_path):
