@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gloo"))  # as tests/gloo/conftest.py has it
 
-from gloo_harness import _grace, start_rank  # noqa: E402
+from gloo_harness import _grace, log_tail, start_rank  # noqa: E402
 
 from tests.fuzz import gloo_fuzz  # noqa: E402
 
@@ -35,8 +35,7 @@ def spawn_gloo(env: dict, timeout_s: float, stream: bool = True) -> tuple[dict |
         procs = [start_rank(gloo_fuzz.main, (Path(tmp), str(Path(tmp) / "init")), {**base, "RANK": str(rank)},
                             None if stream and rank == 0 else log) for rank, log in enumerate(logs)]
         _grace(procs, timeout_s)  # then killed
-        tails = [f"--- rank {rank} (exit {procs[rank].exitcode}) ---\n{log.read_text(errors='replace')[-4000:] if log.exists() else ''}"
-                 for rank, log in enumerate(logs)]
+        tails = [f"--- rank {rank} (exit {proc.exitcode}) ---\n{log_tail(log, 4000)}" for rank, (proc, log) in enumerate(zip(procs, logs))]
         result_file = Path(tmp) / "result.json"
         result = json.loads(result_file.read_text()) if result_file.exists() else None
         return result, "\n".join(tails)

@@ -1,11 +1,13 @@
 """Run test modules' checks on real gloo ranks, spawned once for many modules.
 
-Spawning ranks costs seconds (each rank imports torch and shardkit: far longer than most
-modules' checks take), so a test module registers its checks with ``Checks`` and the
-module-scoped fixture ``gloo_outcomes`` (conftest.py) asks for the outcomes of its module.
-The first such request starts ``world`` worker processes (``start_rank``: forked from one
-process that imported torch once, as ``python gloo_harness.py`` would run) that run the checks of every gloo module pytest selected with the same world, one module after
-the other (a ``Batch``); each later module then finds its outcomes ready. Only the cases
+Starting ranks costs seconds (each sets up its process group, imports shardkit and the test
+module: longer than most modules' checks take), so a test module registers its checks with
+``Checks`` and the module-scoped fixture ``gloo_outcomes`` (conftest.py) asks for the
+outcomes of its module. The first such request starts ``world`` worker processes
+(``start_rank``: forked from one process that imported torch once, as ``python
+gloo_harness.py`` would run) that run the checks of every gloo module pytest selected with
+the same world, one module after the other (a ``Batch``); each later module then finds its
+outcomes ready. Only the cases
 pytest selected run (``pytest -k`` narrows the spawned ranks' work too).
 
 Each worker runs the checks in order and writes one JSON file of outcomes ("passed" or a
@@ -254,6 +256,11 @@ def _rank_entry(target: Callable, args: tuple, env: dict[str, str], log: str | N
     target(*args)
 
 
+def log_tail(log: Path, chars: int) -> str:
+    """The last ``chars`` characters a rank wrote to ``log`` (none: it never started)."""
+    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+
+
 @dataclass
 class Outcomes:
     """What every rank reported for one module, plus the tail of its stderr for crashes and
@@ -341,7 +348,7 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
     procs = [start_rank(_main, (tmp, str(tmp / "init_file")), {**env, "RANK": str(rank)}, log) for rank, log in enumerate(logs)]
     timed_out = _wait(procs, tmp / "rank0.json", timeout_s)
     batch = Batch(dict(zip(files, modules.values())), world, wall_s=time.monotonic() - start)
-    tails = [log.read_text(errors="replace")[-3000:] if log.exists() else "" for log in logs]
+    tails = [log_tail(log, 3000) for log in logs]
     reports = []
     for rank in range(world):
         path = tmp / f"rank{rank}.json"
