@@ -1,7 +1,8 @@
 """The gloo harness itself: ``pytest -k`` narrows what the spawned ranks run (the parent passes
 the selected cases, the ranks run only those), and one spawn runs many modules, a module that
-crashes the ranks leaving the ones after it to the next spawn. The unit tests run in this
-process (make test-fast); ``test_spawned_*`` start ranks."""
+crashes the ranks leaving the ones after it to the next spawn; a module that hangs is killed,
+each rank's stack in its output. The unit tests run in this process (make test-fast); the
+others start ranks."""
 
 from types import SimpleNamespace
 
@@ -87,3 +88,20 @@ def test_spawned_ranks_run_only_the_selected_cases_and_the_modules_after_a_crash
     (tmp_path / "two").mkdir()
     again = spawn_batch({after: None}, 2, tmp_path / "two")
     assert again.outcomes[after].per_rank == [{"first-shardkit": PASSED, "second-shardkit": PASSED}] * 2
+
+
+@pytest.mark.subprocess
+def test_a_module_past_its_time_is_killed_and_each_ranks_tail_shows_where_it_hung(tmp_path):
+    (tmp_path / "harness_probe_hanging").mkdir()
+    hanging = tmp_path / "harness_probe_hanging.py"
+    hanging.write_text(PROBE.format(out=str(tmp_path / "harness_probe_hanging"),
+                                    second="import time\n    time.sleep(300)  # the hang"))
+    (tmp_path / "run").mkdir()
+    batch = spawn_batch({str(hanging): None}, 2, tmp_path / "run", timeout_s=8)
+    outcomes = batch.outcomes[str(hanging)]
+    assert outcomes.timed_out and batch.wall_s < 60
+    assert outcomes.per_rank == [{"first-shardkit": PASSED}] * 2  # `second` never finished
+    for tail in outcomes.stderr_tails:  # faulthandler's dump, written before the kill
+        assert "harness_probe_hanging.py\", line" in tail and "in second" in tail, tail
+    with pytest.raises(AssertionError, match="no outcome .timed out"):
+        outcomes.assert_passed(Case("second", "shardkit"))
