@@ -1,0 +1,145 @@
+"""Compiled mode: FSDP as ops of the model's own graph, for ``torch.compile``.
+
+    from shardkit.compiled import fully_shard   # instead of: from shardkit import fully_shard
+
+The same calls (``fully_shard`` on each block, then on the root) and the same sharded
+parameters: each is an ``nn.Parameter`` holding the same ``Shard(0)`` DTensor as in eager mode,
+so the optimizer, ``state_dict()`` and ``shardkit.checkpoint`` files are the eager mode's. What
+differs is how the parameters are gathered: no hooks and no schedule. A group's forward runs
+``gather``: the group's shards, cast to ``param_dtype``, laid end to end and all-gathered in
+ONE functional collective (``_c10d_functional.all_gather_into_tensor``), whose autograd
+backward is ONE reduce-scatter of the gradients in ``reduce_dtype``, divided by the ranks.
+The modules read their parameters through class properties that return the gathered
+tensors while their group's forward runs (the sharded DTensors otherwise). Dynamo traces all
+of it: ``torch.compile(model, fullgraph=True)`` gives one forward and one backward graph,
+with one all-gather per group in forward and one reduce-scatter per group in backward, which
+the compiler is free to schedule around the compute.
+
+``reshard_after_forward=True`` (every group but the root, by default) wraps the gather in a
+selective activation checkpoint that recomputes it: the compiled backward all-gathers the
+group again instead of keeping its unsharded parameters from forward (the eager schedule).
+
+Without ``torch.compile`` the same code runs eagerly and trains to the same numbers, but
+every collective blocks and the unsharded parameters stay alive until backward (eager
+autograd saves them): use ``shardkit.fully_shard`` for eager training.
+
+The trace (``shardkit.trace()``) records each collective where the graph issues it and where
+its wait returns, through an ordered-effect op (``shardkit::trace_collective``); the all-gathers
+the partitioner recomputes in backward are not recorded (it does not recompute effectful ops).
+
+Not in this mode (they raise): ``shard_placement_fn`` other than ``Shard(0)``, CPU offload,
+an int ``reshard_after_forward``, HSDP and ``dp_mesh_dims`` meshes, weights tied across two
+``fully_shard`` calls, tensor subclasses with FSDP2's all-gather hooks, and the
+``FSDPModule`` methods (a compiled-mode module is not an ``FSDPModule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit import api, meshes
+from shardkit.compiled.gather import gather
+from shardkit.compiled.group import CompiledFSDPModule, CompiledGroup
+from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from shardkit.state import class_name, state_of
+from shardkit.tensors import cast_inputs, cast_output
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Any = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+):
+    """``shardkit.fully_shard`` in compiled mode (see the top of this file): shard ``module``'s
+    parameters over ``mesh`` and gather them inside its forward as ops of the graph. The same
+    signature; the options this mode does not take raise ``NotImplementedError``."""
+    modules = api._check_modules(module)
+    mesh = meshes.default_mesh() if mesh is None else mesh
+    meshes.check_mesh(mesh)
+    _unsupported(mesh, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
+    mp_policy, options = check_policies(mp_policy, offload_policy)
+    found = api.collect(modules, ignored_params)
+    for inner in found.nested:
+        if not isinstance(inner, CompiledGroup):
+            raise ValueError(f"shardkit: {class_name(inner.modules[0])} was sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
+    if found.borrowed:
+        names = [slot.name for more in found.borrowed.values() for slot in more]
+        raise NotImplementedError(f"shardkit.compiled: parameters {names} are tied to a parameter of another fully_shard call; shard them in one call.")
+    # Every parameter gathers in param_dtype here: this mode has never applied param_dtype_override_fn.
+    options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
+    sharded = api.shard_params(found, options, mesh, meshes.mesh_device(mesh))
+    group = CompiledGroup(modules, list(sharded.values()), mesh, reshard_after_forward, mp_policy)
+    api.register_sharded(group, sharded, found)
+    _install(group)
+    for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
+        inner = state_of(m)
+        if isinstance(inner, CompiledGroup) and inner is not group:
+            inner.name = fqn
+    return module
+
+
+def _unsupported(mesh: DeviceMesh, reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
+    why = ""
+    if mesh.ndim != 1:
+        why = "a 2-D mesh (HSDP)"
+    elif reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        why = f"reshard_after_forward={reshard_after_forward!r} (an int)"
+    elif shard_placement_fn is not None:
+        why = "shard_placement_fn"
+    elif type(offload_policy) is not OffloadPolicy:
+        why = "CPU offload"
+    elif dp_mesh_dims is not None:
+        why = "dp_mesh_dims"
+    if why:
+        raise NotImplementedError(f"shardkit.compiled.fully_shard does not take {why}; use shardkit.fully_shard (eager) for it.")
+
+
+def _install(group: CompiledGroup) -> None:
+    """Each module holding the group's parameters reads them through class properties (the
+    gathered tensors during the group's forward); the group's own modules gather in forward."""
+    by_module: dict[nn.Module, dict[str, int]] = {}
+    for i, p in enumerate(group.params):
+        for slot in p.slots:
+            by_module.setdefault(slot.module, {})[slot.name] = i
+    for m in group.modules:
+        by_module.setdefault(m, {})
+        m.__dict__["_shardkit_state"] = group
+    for m, names in by_module.items():
+        namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
+        if m in group.modules:
+            namespace["forward"] = _gathering_forward(group, type(m).forward)
+        mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
+        m.__class__ = api.subclass(type(m), namespace, mixin)
+
+
+def _param_property(group: CompiledGroup, name: str, i: int) -> property:
+    def get(module: nn.Module) -> Any:
+        return group.gathered[i] if group.gathered is not None else module._parameters[name]
+
+    return property(get)
+
+
+def _gathering_forward(group: CompiledGroup, forward: Any) -> Any:
+    def gathering_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
+        if group.gathered is not None:  # re-entry: another module of the group
+            output = forward(self, *args, **kwargs)
+        else:
+            group.gathered = gather(group)
+            try:
+                output = forward(self, *args, **kwargs)
+            finally:
+                group.gathered = None
+        return cast_output(group.mp_policy, output)
+
+    return gathering_forward

@@ -1,0 +1,134 @@
+"""Compiled mode's gather: a group's shards all-gathered as ops of the graph, whose autograd
+backward reduce-scatters the gradients, and the trace op that records them."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch._library.effects import EffectType
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from shardkit.comm import trace
+from shardkit.compiled.group import CompiledGroup
+from shardkit.dtensor.sharded_param import ShardedParam
+
+
+class _GatherGraphBucket(torch.autograd.Function):
+    """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
+    the gradient in ``reduce_dtype``, divided by the ranks, in the shards' dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype, ctx.dtype = group, reduce_dtype, flat.dtype
+        send = flat.to(param_dtype)
+        torch.ops.shardkit.trace_collective(send, "all_gather", group.name, group.world, group.mesh_dim, False)
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, group.world, group.pg_name)
+        gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
+        torch.ops.shardkit.trace_collective(gathered, "all_gather", group.name, group.world, group.mesh_dim, True)
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        group = ctx.group
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, group.world, group.mesh_dim, False)
+        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", group.world, group.pg_name)
+        reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
+        torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, group.world, group.mesh_dim, True)
+        return (reduced / group.world).to(ctx.dtype), None, None, None
+
+
+# The trace (``shardkit.trace()``) sees compiled-mode collectives as eager mode's: an op that
+# runs where the collective runs, compiled or not, before it (issued) and after its wait (done).
+# Ordered effects keep the compiler from dropping or moving it.
+_issued: dict[tuple[str, str], list] = {}  # (kind, group) -> its records issued, not yet done
+
+
+@torch.library.custom_op("shardkit::trace_collective", mutates_args=())
+def _trace_collective(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool) -> None:
+    """``x``: the collective's input (issued) or its output (done): its dtype and size."""
+    if not trace.is_recording():
+        return
+    queue = _issued.setdefault((kind, group), [])
+    if not done:
+        numel = x.numel() * world if kind == "all_gather" else x.numel()
+        queue.append(trace.record(kind, group, dtype=x.dtype, numel=numel, world=world, mesh_dim=mesh_dim))
+    elif queue:
+        trace.done(queue.pop(0))
+
+
+@_trace_collective.register_fake
+def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool) -> None:
+    return None
+
+
+_trace_collective.register_effect(EffectType.ORDERED)
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Recompute the gather in backward; not the trace op, an ordered effect (which AOTAutograd
+    refuses to recompute from torch 2.15 on, and never recomputed before: it has nothing to save)."""
+    if op is torch.ops.shardkit.trace_collective.default or op is torch.ops.higher_order.with_effects:
+        return CheckpointPolicy.PREFER_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def gather(group: CompiledGroup) -> list[torch.Tensor]:
+    """The group's unsharded parameters, from one all-gather per bucket (recomputed in backward
+    when the group reshards after forward)."""
+    registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
+    shards = [param.to_local() for param in registered]
+
+    def run(*shards: torch.Tensor) -> list[torch.Tensor]:
+        unsharded: list[Any] = [None] * len(shards)
+        for bucket in group.buckets:
+            flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
+            gathered = _GatherGraphBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype)
+            for i, column in zip(bucket.indices, gathered.view(group.world, -1).split(bucket.numels, dim=1)):
+                unsharded[i] = _unsharded(column, group.params[i])
+        return unsharded
+
+    reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
+    if reshard and torch.is_grad_enabled():
+        context = functools.partial(create_selective_checkpoint_contexts, _recompute)
+        return checkpoint(run, *shards, use_reentrant=False, context_fn=context)
+    return run(*shards)
+
+
+def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+    """This rank's rows followed by zero rows up to ``padded_rows`` (the all-gather's input)."""
+    missing = p.padded_rows - shard.shape[0]
+    return shard if missing == 0 else torch.cat([shard, shard.new_zeros(missing, *shard.shape[1:])])
+
+
+def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+    """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
+    (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
+    full = column.reshape(p.layout.unsharded_padded_shape)[: p.shape[0]]
+    if p.tp_spec is None:
+        return full
+    spec = p.tp_spec
+    param = DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    return _GradSummedInReduceDtype.apply(param, p.reduce_dtype) if p.reduce_dtype != full.dtype else param
+
+
+class _GradSummedInReduceDtype(torch.autograd.Function):
+    """The identity; in backward, a tensor-parallel ``Partial`` gradient is summed over tp in
+    ``reduce_dtype`` (``from_local``'s backward would sum it in ``param_dtype``), then rounded
+    to ``param_dtype`` once, on its way to the group's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor, reduce_dtype: torch.dtype) -> DTensor:
+        ctx.reduce_dtype, ctx.spec = reduce_dtype, param._spec
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple:
+        if grad.placements != ctx.spec.placements:
+            grad = grad.to(ctx.reduce_dtype).redistribute(ctx.spec.mesh, ctx.spec.placements).to(grad.dtype)
+        return grad, None
+
+
