@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit import api, meshes
+from shardkit.compiled import overlap
 from shardkit.compiled.gather import gather
 from shardkit.compiled.group import CompiledFSDPModule, CompiledGroup
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
@@ -66,6 +67,7 @@ def fully_shard(
     modules = api._check_modules(module)
     mesh = meshes.default_mesh() if mesh is None else mesh
     meshes.check_mesh(mesh)
+    overlap.install()
     _unsupported(mesh, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
     mp_policy, options = check_policies(mp_policy, offload_policy)
     found = api.collect(modules, ignored_params)
@@ -79,6 +81,7 @@ def fully_shard(
     options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
     sharded = api.shard_params(found, options, mesh, meshes.mesh_device(mesh))
     group = CompiledGroup(modules, list(sharded.values()), mesh, reshard_after_forward, mp_policy)
+    overlap.GROUPS.add(group.pg_name)
     api.register_sharded(group, sharded, found)
     _install(group)
     for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far

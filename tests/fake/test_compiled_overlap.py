@@ -1,0 +1,81 @@
+"""shardkit.compiled's overlap as inductor compiles it (the default backend), on the fake
+process group (world 8): where the generated forward and backward code issues each collective
+and waits for it. (The rule on hand-written graphs: tests/unit/test_overlap_order.py; the
+numbers it computes, on gloo ranks: tests/gloo/test_compiled_mode.py.)"""
+
+import re
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import shardkit.compiled
+from tests.conftest import fake_world
+from tests.fake.test_compiled_graphs import batch, gpt
+
+CALL = re.compile(r"(buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
+WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+COMPUTE = re.compile(r"^\s*(extern_kernels\.\w+|cpp_fused_\w+)\(")
+
+
+def events(code: str) -> list[tuple[str, str]]:
+    """The generated code's calls in order: (kind, buffer) of each collective and wait, and
+    ("compute", "") for each kernel (an extern kernel such as a matmul, or a fused C++ one)."""
+    body = code[code.index("def call(") :]
+    found = []
+    for line in body.splitlines():
+        if m := CALL.search(line):
+            found.append((m.group(2), m.group(1)))
+        elif m := WAIT.search(line):
+            found.append(("wait", m.group(1)))
+        elif COMPUTE.match(line):
+            found.append(("compute", ""))
+    return found
+
+
+def spans(found: list[tuple[str, str]], kind: str) -> list[tuple[int, int]]:
+    """(issued at, waited at) of each ``kind`` collective, in issue order."""
+    issued = {buf: at for at, (k, buf) in enumerate(found) if k == kind}
+    waited = {buf: at for at, (k, buf) in enumerate(found) if k == "wait" and buf in issued}
+    assert set(waited) == set(issued), f"a {kind} is never waited for"
+    return sorted((issued[b], waited[b]) for b in issued)
+
+
+def computes_between(found, start: int, end: int) -> int:
+    return sum(k == "compute" for k, _ in found[start:end])
+
+
+def in_flight(spans_: list[tuple[int, int]]) -> int:
+    """The most collectives issued and not yet waited for at any one point."""
+    return max(sum(s <= at < e for s, e in spans_) for at in range(max(e for _, e in spans_)))
+
+
+def test_inductor_overlaps_each_groups_collectives_with_the_neighbouring_groups_compute():
+    with fake_world(8) as mesh, torch._inductor.config.patch(compile_threads=1):
+        torch._dynamo.reset()
+        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True)
+
+        def step():
+            model(*batch())[1].backward()
+
+        _, codes = run_and_get_code(step)
+    forward, backward = (events(code) for code in codes)
+    # forward: the root's, then each block's all-gather; each after the first is issued once
+    # the previous one has arrived and arrives during that group's compute (one in flight, two
+    # groups unsharded: the one computing, the one arriving)
+    gathers = spans(forward, "all_gather_into_tensor")
+    assert len(gathers) == 3 and not spans_of(forward, "reduce_scatter_tensor")
+    assert all(computes_between(forward, s, e) > 0 for s, e in gathers[1:]), forward
+    assert in_flight(gathers) == 1
+    # backward: each block re-gathers (the root keeps its parameters: reshard_after_forward is
+    # False for it) during the previous block's compute; each reduce-scatter but the last is
+    # waited for only after the next group's compute, right before the next one is issued
+    gathers, scatters = spans(backward, "all_gather_into_tensor"), spans(backward, "reduce_scatter_tensor")
+    assert len(gathers) == 2 and len(scatters) == 3
+    assert computes_between(backward, *gathers[1]) > 0, backward
+    assert all(computes_between(backward, s, e) > 0 for s, e in scatters[:-1]), backward
+    assert all(e < s_next for (_, e), (s_next, _) in zip(scatters, scatters[1:]))  # one in flight
+    assert in_flight(gathers) == 1 and in_flight(scatters) == 1
+
+
+def spans_of(found, kind: str) -> list:
+    return [f for f in found if f[0] == kind]
