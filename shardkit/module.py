@@ -289,6 +289,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return
     if not hasattr(module, method_name):
         raise ValueError(f"{type(module)} does not have a method {method_name}")
+    if hasattr(module, "_shardkit_forward_method"):  # compiled mode: no hooks
+        return module._shardkit_forward_method(method_name)
     method: Callable = getattr(module, method_name)
     state = module._shardkit()
 

@@ -44,7 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit import api, meshes
 from shardkit.compiled import overlap
 from shardkit.compiled.gather import gather
-from shardkit.compiled.group import CompiledFSDPModule, CompiledGroup
+from shardkit.compiled.group import CompiledGroup
+from shardkit.compiled.module import CompiledFSDPModule
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.state import class_name, state_of
 from shardkit.tensors import cast_inputs, cast_output
@@ -66,9 +67,11 @@ def fully_shard(
     signature; the options this mode does not take raise ``NotImplementedError``."""
     modules = api._check_modules(module)
     mesh = meshes.default_mesh() if mesh is None else mesh
-    meshes.check_mesh(mesh)
+    meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None)
+    spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
+    dp_mesh = spmd.dp_mesh if spmd is not None else mesh  # 1-D, or 2-D (replicate, shard)
     overlap.install()
-    _unsupported(mesh, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
+    _unsupported(reshard_after_forward, shard_placement_fn, offload_policy)
     mp_policy, options = check_policies(mp_policy, offload_policy)
     found = api.collect(modules, ignored_params)
     for inner in found.nested:
@@ -79,9 +82,9 @@ def fully_shard(
         raise NotImplementedError(f"shardkit.compiled: parameters {names} are tied to a parameter of another fully_shard call; shard them in one call.")
     # Every parameter gathers in param_dtype here: this mode has never applied param_dtype_override_fn.
     options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
-    sharded = api.shard_params(found, options, mesh, meshes.mesh_device(mesh))
-    group = CompiledGroup(modules, list(sharded.values()), mesh, reshard_after_forward, mp_policy)
-    overlap.GROUPS.add(group.pg_name)
+    sharded = api.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
+    group = CompiledGroup(modules, list(sharded.values()), dp_mesh, reshard_after_forward, mp_policy)
+    overlap.GROUPS.add(group.shard.pg_name)
     api.register_sharded(group, sharded, found)
     _install(group)
     for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
@@ -91,18 +94,14 @@ def fully_shard(
     return module
 
 
-def _unsupported(mesh: DeviceMesh, reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
+def _unsupported(reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any) -> None:
     why = ""
-    if mesh.ndim != 1:
-        why = "a 2-D mesh (HSDP)"
-    elif reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         why = f"reshard_after_forward={reshard_after_forward!r} (an int)"
     elif shard_placement_fn is not None:
         why = "shard_placement_fn"
     elif type(offload_policy) is not OffloadPolicy:
         why = "CPU offload"
-    elif dp_mesh_dims is not None:
-        why = "dp_mesh_dims"
     if why:
         raise NotImplementedError(f"shardkit.compiled.fully_shard does not take {why}; use shardkit.fully_shard (eager) for it.")
 
@@ -120,7 +119,7 @@ def _install(group: CompiledGroup) -> None:
     for m, names in by_module.items():
         namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
         if m in group.modules:
-            namespace["forward"] = _gathering_forward(group, type(m).forward)
+            namespace["forward"] = gathering(group, type(m).forward)
         mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
         m.__class__ = api.subclass(type(m), namespace, mixin)
 
@@ -132,7 +131,10 @@ def _param_property(group: CompiledGroup, name: str, i: int) -> property:
     return property(get)
 
 
-def _gathering_forward(group: CompiledGroup, forward: Any) -> Any:
+def gathering(group: CompiledGroup, forward: Any) -> Any:
+    """``forward`` (or a method given to ``register_fsdp_forward_method``) with the group's
+    parameters gathered while it runs."""
+
     def gathering_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
         if group.gathered is not None:  # re-entry: another module of the group

@@ -7,38 +7,49 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch._library.effects import EffectType
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardkit.comm import trace
+from shardkit.comm.collectives import _divide_factors
 from shardkit.compiled.group import CompiledGroup
 from shardkit.dtensor.sharded_param import ShardedParam
 
 
 class _GatherGraphBucket(torch.autograd.Function):
     """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
-    the gradient in ``reduce_dtype``, divided by the ranks, in the shards' dtype."""
+    the gradient in ``reduce_dtype`` (HSDP: then all-reduce it over the replicas), divided as
+    eager mode divides it (``_divide_factors``: by ``divide_by``, fp16 partly before the sum),
+    in the shards' dtype."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.Tensor:
-        ctx.group, ctx.reduce_dtype, ctx.dtype = group, reduce_dtype, flat.dtype
+    def forward(ctx: Any, flat: torch.Tensor, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, divide_by: float) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by = group, reduce_dtype, flat.dtype, divide_by
+        shard = group.shard
         send = flat.to(param_dtype)
-        torch.ops.shardkit.trace_collective(send, "all_gather", group.name, group.world, group.mesh_dim, False)
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, group.world, group.pg_name)
+        torch.ops.shardkit.trace_collective(send, "all_gather", group.name, shard.world, shard.mesh_dim, False)
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, shard.world, shard.pg_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
-        torch.ops.shardkit.trace_collective(gathered, "all_gather", group.name, group.world, group.mesh_dim, True)
+        torch.ops.shardkit.trace_collective(gathered, "all_gather", group.name, shard.world, shard.mesh_dim, True)
         return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        group = ctx.group
+        group, shard, replicate = ctx.group, ctx.group.shard, ctx.group.replicate
+        pre, post = _divide_factors(ctx.divide_by, ctx.reduce_dtype)
         grad = grad.to(ctx.reduce_dtype).contiguous()
-        torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, group.world, group.mesh_dim, False)
-        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", group.world, group.pg_name)
+        if pre != 1:
+            grad = grad / pre
+        torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, shard.world, shard.mesh_dim, False)
+        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name)
         reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
-        torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, group.world, group.mesh_dim, True)
-        return (reduced / group.world).to(ctx.dtype), None, None, None
+        torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, shard.world, shard.mesh_dim, True)
+        if replicate is not None:
+            torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, False)
+            reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
+            torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, True)
+        return (reduced / post).to(ctx.dtype), None, None, None, None
 
 
 # The trace (``shardkit.trace()``) sees compiled-mode collectives as eager mode's: an op that
@@ -86,8 +97,8 @@ def gather(group: CompiledGroup) -> list[torch.Tensor]:
         unsharded: list[Any] = [None] * len(shards)
         for bucket in group.buckets:
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherGraphBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype)
-            for i, column in zip(bucket.indices, gathered.view(group.world, -1).split(bucket.numels, dim=1)):
+            gathered = _GatherGraphBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype, group.divide_by)
+            for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded
 
@@ -111,7 +122,11 @@ def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     if p.tp_spec is None:
         return full
     spec = p.tp_spec
-    param = DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    # On a full SPMD mesh (dp_mesh_dims) the gradient keeps a Partial on the data-parallel dims
+    # as this rank's part of the sum the reduce-scatter adds up (as eager mode); from_local's
+    # backward would otherwise all-reduce it over dp first, and the sum would be taken twice.
+    grads = tuple(Partial() if i in p.dp_dims else placement for i, placement in enumerate(spec.placements))
+    param = DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride, grad_placements=grads)
     return _GradSummedInReduceDtype.apply(param, p.reduce_dtype) if p.reduce_dtype != full.dtype else param
 
 
@@ -122,13 +137,13 @@ class _GradSummedInReduceDtype(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, param: DTensor, reduce_dtype: torch.dtype) -> DTensor:
-        ctx.reduce_dtype, ctx.spec = reduce_dtype, param._spec
+        ctx.reduce_dtype, ctx.mesh, ctx.placements = reduce_dtype, param.device_mesh, param.placements
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple:
-        if grad.placements != ctx.spec.placements:
-            grad = grad.to(ctx.reduce_dtype).redistribute(ctx.spec.mesh, ctx.spec.placements).to(grad.dtype)
+        if grad.placements != ctx.placements:
+            grad = grad.to(ctx.reduce_dtype).redistribute(ctx.mesh, ctx.placements).to(grad.dtype)
         return grad, None
 
 

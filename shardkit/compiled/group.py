@@ -4,29 +4,12 @@ its modules take on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.policies import MixedPrecisionPolicy
-
-
-class CompiledFSDPModule:
-    """What ``shardkit.compiled.fully_shard`` makes a module's class also derive from."""
-
-    _orig_cls_mro_index = 2  # (FSDPFoo, CompiledFSDPModule, Foo): class_name() reports Foo
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # .to()/.to_empty() replace the sharded parameters' data: the layout follows it
-        result = super()._apply(*args, **kwargs)
-        group = self.__dict__["_shardkit_state"]
-        for p in group.params:
-            p.reset_from_registered()
-        group.make_buckets()
-        return result
 
 
 @dataclass
@@ -42,19 +25,40 @@ class GraphBucket:
     reduce_dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class GraphComm:
+    """One mesh dim a group's collectives run over: its process group's name (what the
+    functional collectives take), its ranks and its name (for the trace)."""
+
+    pg_name: str
+    world: int
+    mesh_dim: str
+
+    @staticmethod
+    def of(mesh: DeviceMesh, dim: int) -> "GraphComm":
+        name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
+        return GraphComm(mesh.get_group(dim).group_name, mesh.size(dim), name)
+
+
 class CompiledGroup:
     """One ``fully_shard`` call in compiled mode: its parameters (a ``ShardedParam`` each, for
     the layout), where the modules register them, and the gathered tensors while its forward runs."""
 
     def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy) -> None:
-        self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy
+        self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy  # mesh: 1-D, or 2-D (replicate, shard)
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
-        self.mesh_dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "dim0"
+        self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
+        self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
         self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
+        self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
-        self.pg_name, self.world = mesh.get_group().group_name, mesh.size()
         self.make_buckets()
+
+    @property
+    def divide_by(self) -> float:
+        """What the summed gradients are divided by: the data-parallel ranks, or the user's factor."""
+        return self.divide_factor if self.divide_factor is not None else float(self.mesh.size())
 
     def nest_in(self, parent: "CompiledGroup") -> None:
         """A later ``fully_shard`` call on a module around ours: it is our parent."""

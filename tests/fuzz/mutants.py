@@ -57,7 +57,7 @@ MUTANTS = {
                                         "pipelining's final callback does nothing: the last reductions never finish"),
     "module-data-not-refilled": ("shardkit/dtensor/sharded_param.py", "self._data_replaced = self.buffer.data_replaced()", "self._data_replaced = False",
                                  "data a forward gave its parameter is never refilled: later steps compute with stale weights"),
-    "compiled-grad-divisor": ("shardkit/compiled/gather.py", "return (reduced / group.world).to(ctx.dtype), None, None, None", "return (reduced / (group.world * 2)).to(ctx.dtype), None, None, None",
+    "compiled-grad-divisor": ("shardkit/compiled/gather.py", "return (reduced / post).to(ctx.dtype), None, None, None, None", "return (reduced / (post * 2)).to(ctx.dtype), None, None, None, None",
                               "compiled mode divides its reduced gradients by twice the ranks"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),

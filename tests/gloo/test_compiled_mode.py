@@ -81,6 +81,33 @@ def inductor_with_its_overlap_trains_like_the_unsharded_model(mesh, impl):
 
 
 @checks("shardkit", sim=False)
+def fsdp_module_settings_match_eager_shardkit_bit_for_bit(mesh, impl):
+    """set_gradient_divide_factor and set_reshard_after_forward, called on the modules as an
+    FSDP2 user would (after fully_shard, before compiling): the same bits as eager shardkit
+    with the same calls."""
+    import shardkit.module
+
+    def configure(model):
+        for m in model.modules():
+            if isinstance(m, shardkit.module.FSDPModule):
+                m.set_gradient_divide_factor(3.0)
+        model.set_reshard_after_forward(False)
+        return model
+
+    runs = {}
+    for mode, backend in (("eager", None), ("compiled", "aot_eager")):
+        torch._dynamo.reset()
+        p = Parity.build(small_gpt, lambda model: (shard(mode, mesh)(model), configure(model)), mesh, "compiled", loss_of=gpt_loss)
+        if backend is not None:
+            p.model = torch.compile(p.model, backend=backend, fullgraph=True)
+        for batch in gpt_batches(STEPS):
+            p.forward_backward(batch)
+            p.optimizer_step()
+        runs[mode] = p
+    assert_same_bits(runs["compiled"], runs["eager"], "divide factor 3, no reshard")
+
+
+@checks("shardkit", sim=False)
 def mixed_precision_matches_eager_shardkit(mesh, impl):
     """bf16 parameters, fp32 reduction: the same casts as eager mode, so the same bits."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -65,6 +65,27 @@ def compiled_mode_with_tensor_parallel_2x2_matches_reference(mesh, impl):
     train_llama_2d(mesh, impl, dp=2, tp=2, fully_shard=shardkit.compiled.fully_shard)
 
 
+@checks("shardkit", sim=False)
+def compiled_mode_with_hsdp_2x2_matches_reference_and_eager_bit_for_bit(mesh, impl):
+    """shardkit.compiled on a (replicate 2, shard 2) mesh, the GPT compiled as one graph
+    (aot_eager): all-gathered over shard, reduce-scattered over shard and all-reduced over
+    replicate, as eager mode: the same bits as eager shardkit's HSDP, and the reference's numbers."""
+    import shardkit.compiled
+    from test_composition import mesh_2d
+    from test_compiled_mode import assert_same_bits
+
+    hsdp_mesh, runs = mesh_2d(2, 2), {}
+    for mode, fully_shard in (("eager", shardkit.fully_shard), ("compiled", shardkit.compiled.fully_shard)):
+        torch._dynamo.reset()
+        p = Parity.build(small_gpt, lambda model: apply_fully_shard(model, fully_shard, mesh=hsdp_mesh), mesh, "compiled", loss_of=gpt_loss)
+        if mode == "compiled":
+            p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
+        p.train(gpt_batches(3))
+        p.assert_params_match()
+        runs[mode] = p
+    assert_same_bits(runs["compiled"], runs["eager"], "HSDP 2x2")
+
+
 @checks()
 def hsdp_2x2_matches_reference(mesh, impl):
     from test_composition import hsdp, mesh_2d

@@ -42,8 +42,8 @@ def train_reference(model, data) -> None:
         opt.zero_grad()
 
 
-def train_sharded(model, data, halve=()) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+def train_sharded(model, data, halve=(), params=None) -> None:
+    opt = torch.optim.SGD(model.parameters() if params is None else params, lr=0.2)
     for step in data:
         x, t = step[dist.get_rank()]
         torch.nn.functional.mse_loss(model(x), t).backward()
@@ -88,20 +88,33 @@ def dp_tp_mesh():
 
 @checks()
 def spmd_dp_tp_mesh_with_dp_mesh_dims_matches_reference(mesh, impl):
+    dp_tp_with_dp_mesh_dims(impl, FULLY_SHARD[impl])
+
+
+@checks("shardkit", sim=False)
+def compiled_mode_on_a_spmd_dp_tp_mesh_with_dp_mesh_dims_matches_reference(mesh, impl):
+    import shardkit.compiled
+
+    torch._dynamo.reset()
+    dp_tp_with_dp_mesh_dims(impl, shardkit.compiled.fully_shard, compile=True)
+
+
+def dp_tp_with_dp_mesh_dims(impl, fully_shard, compile=False) -> None:
     full_mesh = dp_tp_mesh()
     model = SpmdStack(full_mesh, n_dp=1)
     dims = (shardkit.DataParallelMeshDims if impl == "shardkit" else torch.distributed.fsdp.DataParallelMeshDims)(shard="dp")
     for block in model.blocks:
-        FULLY_SHARD[impl](block, mesh=full_mesh, dp_mesh_dims=dims)
-    FULLY_SHARD[impl](model, mesh=full_mesh, dp_mesh_dims=dims)
+        fully_shard(block, mesh=full_mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=full_mesh, dp_mesh_dims=dims)
     assert model.blocks[0].w1.placements[0].__class__.__name__ in ("Shard", "_StridedShard")
     # The dp ranks hold different rows; the tp ranks of one dp rank the same ones.
     g = torch.Generator().manual_seed(5)
     data = [[(torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g)) for _ in range(2)] for _ in range(STEPS)]
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compile else model
     for step in data:
         x, t = step[full_mesh.get_local_rank("dp")]
-        torch.nn.functional.mse_loss(model(x), t).backward()
+        torch.nn.functional.mse_loss(run(x), t).backward()
         opt.step()
         opt.zero_grad()
     reference = SpmdStack()
@@ -117,15 +130,27 @@ def hsdp_tp_mesh():
 @checks()
 def spmd_hsdp_mesh_with_dp_mesh_dims_matches_reference(mesh, impl):
     """HSDP through dp_mesh_dims: sharded over dp_shard, all-reduced over dp_replicate."""
+    hsdp_with_dp_mesh_dims(impl, FULLY_SHARD[impl])
+
+
+@checks("shardkit", sim=False)
+def compiled_mode_with_hsdp_through_dp_mesh_dims_matches_reference(mesh, impl):
+    import shardkit.compiled
+
+    torch._dynamo.reset()
+    hsdp_with_dp_mesh_dims(impl, shardkit.compiled.fully_shard, compile=True)
+
+
+def hsdp_with_dp_mesh_dims(impl, fully_shard, compile=False) -> None:
     full_mesh = hsdp_tp_mesh()
     model = SpmdStack(full_mesh, n_dp=2)
     dims_cls = shardkit.DataParallelMeshDims if impl == "shardkit" else torch.distributed.fsdp.DataParallelMeshDims
     dims = dims_cls(shard="dp_shard", replicate="dp_replicate")
     for block in model.blocks:
-        FULLY_SHARD[impl](block, mesh=full_mesh, dp_mesh_dims=dims)
-    FULLY_SHARD[impl](model, mesh=full_mesh, dp_mesh_dims=dims)
+        fully_shard(block, mesh=full_mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=full_mesh, dp_mesh_dims=dims)
     data = batches(seed=7)  # every rank its own rows
-    train_sharded(model, data)
+    train_sharded(torch.compile(model, backend="aot_eager", fullgraph=True) if compile else model, data, params=model.parameters())
     reference = SpmdStack()
     train_reference(reference, data)
     assert_params_match(model, reference)

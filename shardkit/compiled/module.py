@@ -1,0 +1,142 @@
+"""The ``FSDPModule`` methods of a compiled-mode module.
+
+A compiled-mode module is an ``FSDPModule`` (shardkit's, so torch's too): code that walks a
+model for FSDP modules and sets them up (gradient accumulation, resharding) works unchanged.
+Each setting is a plain attribute of the module's group that the traced forward reads, so
+dynamo guards on it: a new setting compiles one more graph, and going back to a setting seen
+before reuses its graph. What has no meaning in one graph does nothing (said in its
+docstring); what compiled mode cannot do raises, naming the method and what to use instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from shardkit.compiled.group import CompiledGroup
+from shardkit.module import FSDPModule
+from shardkit.state import state_of
+
+
+class CompiledFSDPModule(FSDPModule):
+    """What ``shardkit.compiled.fully_shard`` makes a module's class also derive from."""
+
+    _orig_cls_mro_index = 4  # (FSDPFoo, CompiledFSDPModule, FSDPModule, torch's FSDPModule, Foo)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # .to()/.to_empty() replace the sharded parameters' data: the layout follows it
+        result = nn.Module._apply(self, *args, **kwargs)
+        group = self._shardkit()
+        for p in group.params:
+            p.reset_from_registered()
+        group.make_buckets()
+        return result
+
+    def _shardkit(self) -> CompiledGroup:
+        return self.__dict__["_shardkit_state"]
+
+    def _get_fsdp_state(self) -> Any:
+        _unavailable(f"_get_fsdp_state ({type(self).__name__}'s FSDP2 runtime state)", "compiled mode runs in the graph and keeps no such state")
+
+    def _shardkit_forward_method(self, method_name: str) -> None:
+        """``register_fsdp_forward_method``: the method gathers the group's parameters as forward does."""
+        from shardkit.compiled import gathering
+
+        method = getattr(type(self), method_name)
+        setattr(self, method_name, gathering(self._shardkit(), method).__get__(self))
+
+    # settings the graph reads ------------------------------------------------------------------
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """``True``: backward all-gathers the group again (the graph recomputes the gather);
+        ``False``: forward's unsharded parameters are kept for backward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for group in _groups(self, recurse):
+            group.reshard_after_forward = reshard_after_forward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
+        self._shardkit().divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``True`` (the default): accepted. ``False`` (accumulating without reducing) raises."""
+        if not requires_gradient_sync:
+            _unavailable("set_requires_gradient_sync(False)", "each backward graph reduce-scatters its gradients")
+
+    # what one graph already does -------------------------------------------------------------
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted; compiled mode always reduces with ``SUM`` and divides after."""
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted; no effect: each compiled backward finishes its reductions in the graph."""
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``True`` (compiled mode frees the unsharded parameters when the backward graph ends);
+        ``False`` raises: keeping them for the next forward needs state outside the graph."""
+        if not reshard_after_backward:
+            _unavailable("set_reshard_after_backward(False)", "the backward graph frees the unsharded parameters it gathered")
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Accepted; no effect: the graph all-gathers the group at its forward, overlapped
+        with the previous group's compute (``shardkit.compiled.overlap``)."""
+        return None
+
+    def reshard(self) -> None:
+        """Accepted; no effect: outside the graph only the sharded parameters exist."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted; no effect: the graph runs on the stream the optimizer ran on."""
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        _unavailable("set_modules_to_forward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        _unavailable("set_modules_to_backward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """``True`` (the default): accepted. ``False`` (HSDP sums kept across microbatches) raises."""
+        if not requires_all_reduce:
+            _unavailable("set_requires_all_reduce(False)", "each backward graph all-reduces over the replicas")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's private knob (torch's pipelining sets it): the graph never waits early."""
+
+    def reset_iter_state(self) -> None:
+        """Accepted; no effect: a failed graph leaves no state behind."""
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Accepted; no effect: the graph allocates its buffers itself."""
+
+
+def _unsupported_method(name: str):
+    def method(self: CompiledFSDPModule, *args: Any, **kwargs: Any) -> None:
+        _unavailable(name, "compiled mode does not take it")
+
+    method.__name__ = name
+    method.__doc__ = f"Raises: compiled mode does not take ``{name}``; use shardkit.fully_shard (eager)."
+    return method
+
+
+for _name in ("set_unshard_in_backward", "set_lockstep", "set_manual_backward_finalization",
+              "finalize_backward", "set_all_reduce_hook", "set_custom_all_gather", "set_custom_reduce_scatter",
+              "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
+              "set_reduce_scatter_unused_params"):
+    setattr(CompiledFSDPModule, _name, _unsupported_method(_name))
+
+
+def _unavailable(what: str, why: str) -> None:
+    raise NotImplementedError(f"shardkit.compiled: {what} is not available in compiled mode ({why}); use shardkit.fully_shard (eager) for it.")
+
+
+def _groups(module: CompiledFSDPModule, recurse: bool) -> list[CompiledGroup]:
+    found = [state_of(m) for m in module.modules()] if recurse else [module._shardkit()]
+    unique = {id(g): g for g in found if isinstance(g, CompiledGroup)}
+    return list(unique.values())

@@ -1,0 +1,144 @@
+"""shardkit.compiled's FSDPModule methods and meshes on the fake process group (world 8): which
+methods work, which raise, how a setting changes the compiled graphs (one more graph per new
+setting, none when a setting comes back), and HSDP's collectives. (Their numbers on gloo ranks:
+tests/gloo/test_compiled_mode.py, tests/gloo/test_four_ranks.py.)"""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import shardkit
+import shardkit.compiled
+from shardkit.compiled import CompiledFSDPModule
+from tests.conftest import fake_world
+from tests.fake.test_compiled_graphs import Recording, batch, gpt
+
+WORKING = {"unshard", "reshard", "set_requires_gradient_sync", "set_requires_all_reduce", "set_reshard_after_forward",
+           "set_reshard_after_backward", "set_is_last_backward", "set_keep_unsharded_storage", "set_gradient_divide_factor",
+           "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms", "set_post_optim_event", "reset_iter_state",
+           "_set_unshard_async_op"}
+RAISING = {"set_unshard_in_backward": (True,), "set_lockstep": (), "set_manual_backward_finalization": (True,), "finalize_backward": (),
+           "set_modules_to_forward_prefetch": ([],), "set_modules_to_backward_prefetch": ([],), "set_all_reduce_hook": (print,),
+           "set_custom_all_gather": (None,), "set_custom_reduce_scatter": (None,), "set_reduce_scatter_max_input_buffers": (2,),
+           "set_separate_reduce_scatter_group": (), "set_allocate_memory_from_process_group_for_comm": (True,),
+           "set_symm_mem_for_comm": (), "set_reduce_scatter_unused_params": (True,), "_get_fsdp_state": ()}
+
+
+def test_a_compiled_module_is_an_fsdp_module_whose_every_method_is_its_own():
+    """isinstance against shardkit's and torch's FSDPModule holds (code that walks a model for FSDP
+    modules finds them), and no method falls through to eager mode's implementation."""
+    with fake_world(8) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+    assert isinstance(model, shardkit.FSDPModule) and isinstance(model, torch.distributed.fsdp.FSDPModule)
+    methods = {n for n, v in vars(shardkit.FSDPModule).items() if callable(v) and not n.startswith("__")} - {"_shardkit", "_apply"}
+    assert methods == WORKING | set(RAISING), methods ^ (WORKING | set(RAISING))
+    assert all(n in vars(CompiledFSDPModule) for n in methods)
+    assert type(model.blocks[0]).__name__ == "FSDPBlock" and type(model.blocks[0]).__mro__[4].__name__ == "Block"
+
+
+@pytest.mark.parametrize("method", sorted(RAISING))
+def test_what_compiled_mode_cannot_do_raises_naming_the_method(method):
+    with fake_world(8) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        with pytest.raises(NotImplementedError, match=f"{method}.*use shardkit.fully_shard"):
+            getattr(model, method)(*RAISING[method])
+
+
+@pytest.mark.parametrize("call", ["set_requires_gradient_sync(False)", "set_reshard_after_backward(False)", "set_requires_all_reduce(False)"])
+def test_settings_compiled_mode_cannot_take_raise_naming_them(call):
+    with fake_world(8) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        name = call.split("(")[0]
+        getattr(model, name)(True)  # the default: accepted
+        with pytest.raises(NotImplementedError, match=f"{name}\\(False\\)"):
+            getattr(model, name)(False)
+
+
+def test_a_new_setting_compiles_one_more_graph_and_a_setting_seen_before_none():
+    """set_reshard_after_forward(False) on the root (recursive): backward keeps forward's
+    unsharded parameters (no all-gather in the new backward graph); True: every group,
+    the root too, gathers again; back to False reuses its graphs; set_gradient_divide_factor
+    compiles one more."""
+    with fake_world(8) as mesh:
+        torch._dynamo.reset()
+        recording = Recording()
+        sharded = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        model = torch.compile(sharded, fullgraph=True, backend=recording)
+
+        def step() -> tuple[int, Counter]:
+            before = len(recording.graphs["backward"])
+            model(*batch())[1].backward()
+            new = recording.graphs["backward"][before:]
+            return recording.dynamo_graphs, Counter(kind for gm in new for kind, _ in recording_of(gm))
+
+        assert step() == (1, Counter(all_gather=2, reduce_scatter=3))
+        sharded.set_reshard_after_forward(False)
+        assert {g.reshard_after_forward for g in shardkit.compiled.module._groups(sharded, True)} == {False}
+        assert step() == (2, Counter(reduce_scatter=3))
+        assert step() == (2, Counter())  # steady state: no recompilation
+        sharded.set_reshard_after_forward(True)  # the root too, now (its default, None, keeps)
+        assert step() == (3, Counter(all_gather=3, reduce_scatter=3))
+        sharded.set_reshard_after_forward(False)
+        assert step() == (3, Counter())  # the second graphs again
+        sharded.blocks[0].set_gradient_divide_factor(4.0)
+        assert step()[0] == 4
+        with pytest.raises(ValueError, match="positive factor"):
+            sharded.set_gradient_divide_factor(0)
+
+
+def recording_of(gm) -> list:
+    found = Recording()
+    found.graphs["backward"] = [gm]
+    return found.collectives("backward")
+
+
+def test_hsdp_gathers_over_shard_and_all_reduces_over_replicate_as_eager():
+    """A (replicate 2, shard 4) mesh: each group all-gathers over the 4 shard ranks, and its
+    gradient is reduce-scattered over them, then all-reduced over the 2 replicas; the
+    all-gathers move eager shardkit's bytes."""
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        torch._dynamo.reset()
+        recording = Recording()
+        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True, backend=recording)
+        with shardkit.trace() as compiled:
+            model(*batch())[1].backward()
+        eager_model = gpt(shardkit.fully_shard, mesh=mesh)
+        with shardkit.trace() as eager:  # forward only: compiled mode's trace leaves out the all-gathers backward recomputes
+            loss = eager_model(*batch())[1]
+        loss.backward()
+        replicate_group = mesh.get_group(0).group_name
+    backward = recording.graphs["backward"][0].graph
+    reduces = [n for n in backward.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
+    assert len(reduces) == 3 and {n.args[2] for n in reduces} == {replicate_group}
+    describe = lambda e: (e.kind, e.group, e.nbytes, e.world, e.mesh_dim)  # noqa: E731
+    assert Counter(map(describe, compiled.collectives("all_gather"))) == Counter(map(describe, eager.collectives("all_gather")))
+    assert {e.world for e in compiled.collectives("all_gather")} == {4}
+    assert [(e.kind, e.world, e.mesh_dim) for e in compiled.collectives("all_reduce")] == [("all_reduce", 2, "replicate")] * 3
+
+
+def test_register_fsdp_forward_method_gathers_around_the_method():
+    """A method other than forward reads the gathered parameters while it runs (the trace shows
+    the group's all-gather), as eager mode's hooks do."""
+
+    class Scorer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def score(self, x):
+            return self.lin.weight.shape, self.lin(x).sum()
+
+    with fake_world(8) as mesh:
+        model = shardkit.compiled.fully_shard(Scorer(), mesh=mesh)
+        shardkit.register_fsdp_forward_method(model, "score")
+        with shardkit.trace() as t:
+            shape, _ = model.score(torch.randn(2, 8))
+    assert shape == (8, 8)  # unsharded while the method runs (the shard is (1, 8))
+    assert [e.kind for e in t.collectives()] == ["all_gather"]
