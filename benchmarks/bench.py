@@ -1,6 +1,7 @@
 """shardkit next to torch's FSDP2, DDP and a plain local model: step time, collectives, memory.
 
     python benchmarks/bench.py [--quick] [--json PATH]      (or: make bench ARGS=--quick)
+    python benchmarks/bench.py --compile [--quick]          (or: make bench ARGS="--compile --quick")
 
 Part 1, distributed: 2 gloo ranks on the CPU (spawned by this script), one thread each. Every
 rank builds the same GPT four times from one seed: sharded with shardkit, sharded with FSDP2,
@@ -33,11 +34,42 @@ weights in one process, 2 gloo ranks: step time, collectives, and the largest di
 the one-process parameters after 5 steps; then the same on HSDP 2 x 2 (4 ranks, 128-wide).
 --quick: the 2-rank layout only, 128-wide.
 
+Part 4, compiled mode (--compile, alone; --quick: the small model, 3 rounds x 4 steps, under two
+minutes on 2 cores): the same GPT seven ways on 2 gloo ranks, in interleaved rounds as in part 1:
+  compiled mode            shardkit.compiled.fully_shard on each block then the root, then
+                           torch.compile(model, fullgraph=True) (inductor): one graph, collectives in it
+  compiled, no overlap pass  the same, compiled with torch.compile(..., options=
+                           {"reorder_for_compute_comm_overlap": False}): inductor's own order of the
+                           collectives (each waited for where it is issued), for what the overlap gives
+  eager shardkit           shardkit.fully_shard, nothing compiled
+  fsdp2                    torch's FSDP2, nothing compiled
+  fsdp2 + compiled blocks  FSDP2, then torch.compile on each block (compile_blocks); hooks stay eager
+  unsharded                the plain model, eager
+  unsharded compiled       the plain model, torch.compile(model, fullgraph=True)
+The two unsharded ones ("on one process") run inside each rank, like part 1's local: each rank
+its own copy on its own batch, no communication, the same CPU contention and per-rank batch as
+the sharded ones. Inductor's caches are off: fx_graph_cache and the autograd cache disabled, and
+every implementation's first step runs in a fresh cache directory of its own rank with inductor's
+in-memory caches cleared (torch._inductor.utils.fresh_cache), so no model reuses kernels another
+model (or the other rank) compiled; a tiny model is compiled first, so the one-time costs
+(imports, the C++ toolchain probe, the compile workers) fall on none of them. Per implementation:
+  step ms       part 1's: per round the median step of the slower rank, then the median over rounds;
+  first step s  the wall time of the first forward + backward (compilation included: dynamo,
+                inductor and the C++ compiler, backward's graph too), both ranks starting together,
+                the slower rank's; "graphs" is how many graphs dynamo compiled in it;
+  peak MiB      per rank (the larger): parameters and optimizer state at the start of a step
+                (gradients set to None) plus the most the step allocates above that, from the
+                CPU profiler's allocation events (every c10 CPU allocation, inductor's buffers
+                included; not gloo's internal scratch); the median of 3 steps. A number per
+                implementation, unlike part 1's RSS.
+The ratios the compiled mode's goals are stated in (paired per round, then the median):
+what sharding adds in compiled mode = compiled mode / unsharded compiled (goal: <= 1.05, and no
+more than in eager mode), in eager mode = eager shardkit / unsharded; and the compile time of
+compiled mode / unsharded compiled (one sample per run; goal <= 0.6).
+
+    --compile   part 4 alone (with --quick: the small model and few rounds)
     --muon      part 3 alone (the other flags go to muon_bench.py: --quick, --skip-hsdp, --json, ...)
     --skip-muon the parts before it only
-    --compile   part 1 again with every block torch.compile'd, side by side with eager, and a
-                fifth implementation: shardkit's compiled mode (shardkit.compiled.fully_shard, the
-                whole model torch.compile'd with fullgraph=True: one graph, collectives in it)
     --scaling   how the cost grows with the world and the block count (benchmarks/scaling.py)
 """
 
@@ -73,8 +105,21 @@ import shardkit.compiled
 from shardkit.models import GPT, GPTConfig, apply_fully_shard
 
 IMPLS = ("shardkit", "fsdp2", "ddp", "local")
-COMPILED_MODE = "compiled"  # --compile: shardkit.compiled, the whole model in one graph
-EAGER = "eager shardkit"  # --compile: shardkit with nothing compiled, in the same run
+# Part 4 (--compile): the seven implementations, in the order of its table.
+COMPILED_MODE = "compiled mode"  # shardkit.compiled.fully_shard + torch.compile(model, fullgraph=True)
+NO_OVERLAP = "compiled, no overlap pass"  # the same, inductor without shardkit.compiled.overlap's pass
+EAGER = "eager shardkit"  # shardkit.fully_shard, nothing compiled
+FSDP2 = "fsdp2"  # torch's FSDP2, nothing compiled
+FSDP2_BLOCKS = "fsdp2 + compiled blocks"  # FSDP2, each block torch.compile'd after fully_shard
+UNSHARDED = "unsharded"  # the plain model, each rank its own copy
+UNSHARDED_COMPILED = "unsharded compiled"  # the same, torch.compile(model, fullgraph=True)
+COMPILE_IMPLS = (COMPILED_MODE, NO_OVERLAP, EAGER, FSDP2, FSDP2_BLOCKS, UNSHARDED, UNSHARDED_COMPILED)
+SHARDED = (COMPILED_MODE, NO_OVERLAP, EAGER, FSDP2, FSDP2_BLOCKS)  # the same weights and batches: their losses agree
+# Each implementation's reference for "what sharding adds": the unsharded model in the same mode.
+SAME_MODE_UNSHARDED = {COMPILED_MODE: UNSHARDED_COMPILED, NO_OVERLAP: UNSHARDED_COMPILED, FSDP2_BLOCKS: UNSHARDED_COMPILED, UNSHARDED_COMPILED: UNSHARDED_COMPILED,
+                       EAGER: UNSHARDED, FSDP2: UNSHARDED, UNSHARDED: UNSHARDED}
+SHARDING_COST_GOAL = 1.05  # compiled mode / unsharded compiled, and at most eager shardkit / unsharded
+COMPILE_TIME_GOAL = 0.6  # compiled mode's first step / unsharded compiled's
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 WORLD = 2
 WARMUP_STEPS = 3
@@ -100,13 +145,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number here")
     parser.add_argument("--float8", action="store_true", help="the blocks' Linear layers as torchao float8 (1-byte all-gathers); needs torchao")
-    parser.add_argument("--compile", action="store_true", help="run part 1 twice, eager and with every block torch.compile'd (inductor), side by side")
+    parser.add_argument("--compile", action="store_true", help="part 4 alone: compiled mode next to eager shardkit, FSDP2 (eager and with "
+                        "compiled blocks) and the unsharded model (eager and compiled): step time, compile time, peak memory")
     parser.add_argument("--scaling", action="store_true", help="how the cost grows with the world and the model instead (benchmarks/scaling.py)")
     parser.add_argument("--muon", action="store_true", help="part 3 alone: shardkit.optim.Muon next to torch.optim.Muon (benchmarks/muon_bench.py)")
     parser.add_argument("--skip-muon", action="store_true")
     parser.add_argument("--only-overhead", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
+    if args.compile and args.float8:
+        parser.error("--compile takes no --float8 (compiled mode does not take tensor subclasses with all-gather hooks)")
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -139,10 +187,20 @@ class Impl:
     last_loss: float = float("nan")
 
 
-def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
+def base_model(args: argparse.Namespace) -> GPT:
+    """The GPT every implementation copies (deepcopy keeps the tied head/embedding weight tied)."""
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
     torch.manual_seed(args.seed)
-    base = GPT(config)  # deepcopy keeps the tied head/embedding weight tied
+    return GPT(config)
+
+
+def with_optimizers(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[str, Impl]:
+    foreach = {"auto": None, "on": True, "off": False}[args.foreach]
+    return {name: Impl(name, m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=foreach)) for name, m in models.items()}
+
+
+def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
+    base = base_model(args)
     if args.float8:  # torchao's float8 training, its weights all-gathered in float8 (as torchtitan does)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -154,27 +212,7 @@ def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
         "ddp": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
         "local": base,
     }
-    if args.compile:
-        compiled = apply_fully_shard(copy.deepcopy(base), shardkit.compiled.fully_shard, mesh=mesh)  # before base's blocks are
-        eager = apply_fully_shard(copy.deepcopy(base), shardkit.fully_shard, mesh=mesh)
-        for model in models.values():
-            compile_blocks(model)
-        models[COMPILED_MODE], models[EAGER] = torch.compile(compiled, fullgraph=True), eager
-    foreach = {"auto": None, "on": True, "off": False}[args.foreach]
-    return {name: Impl(name, m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=foreach)) for name, m in models.items()}
-
-
-def compile_blocks(model: nn.Module) -> None:
-    """--compile: torch.compile each block in place (after fully_shard for shardkit and FSDP2),
-    the same compiled regions for every implementation; hooks and the root's own layers stay
-    eager (docs/usage.md, "torch.compile"). The warm-up steps absorb the compile time."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    for i, block in enumerate(inner.blocks):
-        inner.blocks[i] = torch.compile(block)
-
-
-def impl_names(args: argparse.Namespace) -> tuple[str, ...]:
-    return IMPLS + ((COMPILED_MODE, EAGER) if args.compile else ())
+    return with_optimizers(args, models)
 
 
 def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,8 +238,8 @@ def train_step(impl: Impl, args: argparse.Namespace, probe=None) -> float:
 
 
 def time_rounds(impls: dict[str, Impl], args: argparse.Namespace) -> torch.Tensor:
-    """Step seconds, (rounds, impls, steps); the implementation order rotates every round."""
-    names = impl_names(args)
+    """Step seconds, (rounds, impls, steps), in the order of ``impls``; the order they run in rotates every round."""
+    names = tuple(impls)
     times = torch.zeros(args.rounds, len(names), args.steps, dtype=torch.float64)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -250,7 +288,7 @@ def counting_torch_collectives(counts: dict):
 def count_collectives(impl: Impl, args: argparse.Namespace) -> dict:
     """{kind: [calls, bytes]} over one step, and the torch functions seen (FSDP2 only)."""
     counts = {kind: [0, 0] for kind in KINDS} | {"functions": set()}
-    if impl.name in ("shardkit", EAGER):
+    if impl.name == "shardkit":
         with shardkit.trace() as t:
             train_step(impl, args)
         for kind, stats in t.summary().items():
@@ -308,16 +346,40 @@ def peak_rss_mib(impl: Impl, args: argparse.Namespace) -> tuple[float, float]:
     return start, (max(samples) if probe else read_status_kib("VmHWM")) / 1024
 
 
-def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+def rank_entry(rank: int, body, args: argparse.Namespace, port: int, out_path: str) -> None:
+    """A spawned rank: one thread, a gloo group, ``body(args, mesh)``; rank 0 writes its result."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    impls = build_impls(args, init_device_mesh("cpu", (WORLD,)))
+    result = body(args, init_device_mesh("cpu", (WORLD,)))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    # The sharded parameters (freed with body's frame) hold the mesh, which holds the group: collect them first.
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def run_ranks(body, args: argparse.Namespace) -> dict:
+    """Run ``body`` on WORLD spawned gloo ranks; rank 0's result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        mp.spawn(rank_entry, args=(body, args, port, out_path), nprocs=WORLD)
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def distributed_rank(args: argparse.Namespace, mesh) -> dict | None:
+    """Part 1 in one rank: warm-up, timed rounds, collectives, memory; the summary on rank 0."""
+    impls = build_impls(args, mesh)
     for impl in impls.values():
         for _ in range(WARMUP_STEPS):
             train_step(impl, args)
     times = time_rounds(impls, args)
-    names = impl_names(args)
+    names = tuple(impls)
     counts = {name: count_collectives(impls[name], args) for name in names}
     rss = torch.tensor([peak_rss_mib(impls[name], args) for name in names], dtype=torch.float64)  # (impls, 2)
     held = torch.tensor([state_bytes(impls[name]) for name in names], dtype=torch.float64)
@@ -327,28 +389,34 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> 
     for tensor in (rss, held):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     dist.all_reduce(losses)  # summed; divided by WORLD below
-    if rank == 0:
-        result = summarize(args, impls["local"], all_times, counts)
-        for i, name in enumerate(names):
-            result["impls"][name].update(start_rss_mib=rss[i, 0].item(), peak_rss_mib=rss[i, 1].item(),
-                                         held_mib_per_rank=held[i].item() / MiB, last_loss=losses[i].item() / WORLD)
-        print_distributed(make_console(), result)
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    # The sharded parameters hold the mesh, which holds the group: free them before destroying it.
-    del impls
-    gc.collect()
-    dist.destroy_process_group()
+    if dist.get_rank() != 0:
+        return None
+    result = summarize(args, impls["local"], all_times, counts)
+    for i, name in enumerate(names):
+        result["impls"][name].update(start_rss_mib=rss[i, 0].item(), peak_rss_mib=rss[i, 1].item(),
+                                     held_mib_per_rank=held[i].item() / MiB, last_loss=losses[i].item() / WORLD)
+    return result
+
+
+def slower_rank_round_ms(all_times: list[torch.Tensor]) -> torch.Tensor:
+    """(rounds, impls) milliseconds: per round the median step of each rank, then the slower rank."""
+    return torch.stack([t.median(dim=2).values for t in all_times]).amax(dim=0) * 1000
+
+
+def paired_ratio(round_ms: torch.Tensor, names: tuple[str, ...], a: str, b: str) -> dict:
+    """a / b paired round by round (the same machine state), then the median."""
+    per_round = (round_ms[:, names.index(a)] / round_ms[:, names.index(b)]).tolist()
+    return {"per_round": per_round, "median": statistics.median(per_round)}
 
 
 def summarize(args: argparse.Namespace, local: Impl, all_times: list[torch.Tensor], counts: dict) -> dict:
     """Per round: the median step of each rank, then the slower rank; then medians over rounds."""
-    round_ms = torch.stack([t.median(dim=2).values for t in all_times]).amax(dim=0) * 1000  # (rounds, impls)
+    round_ms = slower_rank_round_ms(all_times)  # (rounds, impls)
     tokens = args.batch * args.seq * WORLD
     result = {"config": vars(args), "world": WORLD,
               "param_mib": sum(p.numel() * p.element_size() for p in local.model.parameters()) / MiB,
               "impls": {}, "ratios": {}}
-    names = impl_names(args)
+    names = IMPLS
     for i, name in enumerate(names):
         ms = round_ms[:, i].tolist()
         result["impls"][name] = {
@@ -358,12 +426,8 @@ def summarize(args: argparse.Namespace, local: Impl, all_times: list[torch.Tenso
             "sent_bytes_per_rank_step": counts[name]["sent"],
             "torch_functions_called": counts[name]["functions"],
         }
-    pairs = (("shardkit", "fsdp2"), ("shardkit", "ddp"), ("local", "ddp"))
-    if args.compile:
-        pairs += tuple((COMPILED_MODE, other) for other in (EAGER, "shardkit", "fsdp2", "ddp"))
-    for a, b in pairs:
-        per_round = (round_ms[:, names.index(a)] / round_ms[:, names.index(b)]).tolist()
-        result["ratios"][f"{a}/{b}"] = {"per_round": per_round, "median": statistics.median(per_round)}
+    for a, b in (("shardkit", "fsdp2"), ("shardkit", "ddp"), ("local", "ddp")):
+        result["ratios"][f"{a}/{b}"] = paired_ratio(round_ms, names, a, b)
     return result
 
 
@@ -378,8 +442,7 @@ def spread(values: list[float]) -> str:
 
 def print_distributed(console: Console, result: dict) -> None:
     c = result["config"]
-    compiled = ", blocks torch.compile'd" if c.get("compile") else ""
-    table = Table(title=f"GPT {c['layers']}x{c['dim']} (heads {c['heads']}){compiled}, {result['world']} gloo ranks, "
+    table = Table(title=f"GPT {c['layers']}x{c['dim']} (heads {c['heads']}), {result['world']} gloo ranks, "
                         f"batch {c['batch']}x{c['seq']} per rank, {c['rounds']} rounds x {c['steps']} steps")
     for header in ("impl", "step ms\n(min..max rounds)", "tokens/s\n(global)", "peak RSS MiB\n(+ over start)",
                    "all-gather\n/step", "reduce-scatter\n/step", "all-reduce\n/step", "sent MiB\n/rank/step",
@@ -407,17 +470,6 @@ def print_distributed(console: Console, result: dict) -> None:
     gap = abs(losses["shardkit"] - losses["fsdp2"]) / abs(losses["fsdp2"])
     if gap > 1e-3:
         console.print(f"[red]warning: shardkit and fsdp2 losses differ by {gap:.2e} relative (> 1e-3)[/]")
-
-
-def run_distributed(args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.json")
-        mp.spawn(rank_main, args=(args, port, out_path), nprocs=WORLD)
-        with open(out_path) as f:
-            return json.load(f)
 
 
 # ---------------------------------------------------------------- part 2: hook overhead, in this process
@@ -546,18 +598,277 @@ def print_overhead(console: Console, result: dict) -> None:
         f"{k} {v:.2f} ({spread(ratios[k + ' spread'])})" for k, v in ratios.items() if not k.endswith("spread")))
 
 
-def print_compiled(console: Console, eager: dict, compiled: dict) -> None:
-    table = Table(title="--compile: step ms, eager and compiled (blocks torch.compile'd; compiled mode: the whole model)")
-    for header in ("impl", "eager run", "compiled run", "compiled / eager run", "/ eager shardkit\n(compiled run)"):
+# ---------------------------------------------------------------- part 4 (--compile): compiled mode, in each rank
+
+
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """torch.compile each block in place, after fully_shard: the hooks and the root's own layers
+    stay eager (docs/usage.md, "torch.compile")."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+    return model
+
+
+def build_compile_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
+    """Part 4's seven copies of one GPT, in COMPILE_IMPLS order (the order they compile in); nothing
+    compiles before its first step."""
+    base = base_model(args)
+
+    def sharded(fully_shard) -> nn.Module:
+        return apply_fully_shard(copy.deepcopy(base), fully_shard, mesh=mesh)
+
+    models = {
+        COMPILED_MODE: torch.compile(sharded(shardkit.compiled.fully_shard), fullgraph=True),
+        NO_OVERLAP: torch.compile(sharded(shardkit.compiled.fully_shard), fullgraph=True, options={"reorder_for_compute_comm_overlap": False}),
+        EAGER: sharded(shardkit.fully_shard),
+        FSDP2: sharded(torch_fully_shard),
+        FSDP2_BLOCKS: compile_blocks(sharded(torch_fully_shard)),
+        UNSHARDED: copy.deepcopy(base),
+        UNSHARDED_COMPILED: torch.compile(base, fullgraph=True),
+    }
+    return with_optimizers(args, {name: models[name] for name in COMPILE_IMPLS})
+
+
+def inductor_caches_off() -> str:
+    """No compiled graph from a cache, on disk or in this process: the FX graph and autograd caches
+    off, and a cache directory of this rank's own (under the run's fresh one), so that neither rank
+    loads a kernel the other compiled. Returns that directory."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    root = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"rank{dist.get_rank()}")
+    os.makedirs(root, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
+    return root
+
+
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def warm_up_inductor(cache_root: str) -> None:
+    """Compile a tiny model, forward and backward, so that what only a process's first compile pays
+    (importing inductor, probing the C++ compiler, starting the compile workers) falls on none of
+    the measured ones."""
+    from torch._inductor.utils import fresh_cache
+
+    tiny = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)))
+    with fresh_cache(dir=cache_root, delete=False):
+        tiny(torch.randn(2, 8)).sum().backward()
+
+
+def first_step(impl: Impl, args: argparse.Namespace, cache_root: str) -> float:
+    """The implementation's first step, its forward + backward timed (compilation included), in a
+    fresh inductor cache (a new directory, the in-memory caches cleared), both ranks starting together."""
+    from torch._inductor.utils import fresh_cache
+
+    x, y = make_batch(args, impl.steps_done)
+    with fresh_cache(dir=cache_root, delete=False):
+        dist.barrier()
+        start = time.perf_counter()
+        _, loss = impl.model(x, y)
+        loss.backward()
+        seconds = time.perf_counter() - start
+    impl.optimizer.step()
+    impl.steps_done += 1
+    impl.last_loss = loss.item()
+    return seconds
+
+
+@contextlib.contextmanager
+def without_profiler_banner():
+    """The CPU profiler's C++ side prints two "USDT: ... profiler_start/stop" lines to stderr per
+    run: hold this process's stderr back meanwhile, then pass on every other line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not line.startswith("USDT:")))
+            sys.stderr.flush()
+
+
+def step_memory(impl: Impl, args: argparse.Namespace) -> tuple[int, int, int]:
+    """Bytes of one step: parameters and optimizer state at its start (gradients set to None), the
+    most the step allocates above that (the CPU profiler's allocation events, in time order: every
+    c10 CPU allocation and free, inductor's buffers included), and their sum, the step's peak.
+    (Tensor bytes, not RSS: no allocator slack, code, or what gloo allocates outside torch.)"""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    impl.optimizer.zero_grad(set_to_none=True)  # train_step's own zero_grad then frees nothing
+    held = state_bytes(impl)
+    gc.collect()
+    dist.barrier()
+    with without_profiler_banner(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step(impl, args)
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.tag == _EventType.Allocation:  # a free is one of minus its size
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+    live = above = 0
+    for _, size in sorted(allocations):
+        live += size
+        above = max(above, live)
+    return held, above, held + above
+
+
+def compile_rank(args: argparse.Namespace, mesh) -> dict | None:
+    """Part 4 in one rank: per implementation in turn its first step (the compilation) and the rest
+    of its warm-up; then the timed rounds and one step's memory each; the summary on rank 0."""
+    cache_root = inductor_caches_off()
+    impls = build_compile_impls(args, mesh)
+    warm_up_inductor(cache_root)
+    first = torch.zeros(len(impls), 2, dtype=torch.float64)  # (impls, [first-step seconds, dynamo graphs in the warm-up])
+    for i, impl in enumerate(impls.values()):
+        graphs = dynamo_graphs()
+        first[i, 0] = first_step(impl, args, cache_root)
+        for _ in range(WARMUP_STEPS - 1):
+            train_step(impl, args)
+        first[i, 1] = dynamo_graphs() - graphs
+    graphs = dynamo_graphs()
+    times = time_rounds(impls, args)
+    # Each implementation's step memory, in MEMORY_STEPS interleaved rounds; the median: now and then one
+    # of them allocates ~0.75 MiB more in a step, a different one each run.
+    samples = torch.tensor([[step_memory(impl, args) for impl in impls.values()] for _ in range(MEMORY_STEPS)], dtype=torch.float64)
+    memory = samples.median(dim=0).values  # (impls, 3)
+    late = torch.tensor([dynamo_graphs() - graphs], dtype=torch.float64)  # compiled after the warm-up: recompiles
+    losses = torch.tensor([impl.last_loss for impl in impls.values()], dtype=torch.float64)
+    all_times, all_first = [torch.zeros_like(times) for _ in range(WORLD)], [torch.zeros_like(first) for _ in range(WORLD)]
+    dist.all_gather(all_times, times)
+    dist.all_gather(all_first, first)
+    for tensor in (memory, late):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(losses)  # summed; divided by WORLD below
+    if dist.get_rank() != 0:
+        return None
+    return summarize_compile(args, tuple(impls), all_times, all_first, memory, losses, int(late.item()))
+
+
+def summarize_compile(args: argparse.Namespace, names: tuple[str, ...], all_times: list[torch.Tensor], all_first: list[torch.Tensor],
+                      memory: torch.Tensor, losses: torch.Tensor, late_graphs: int) -> dict:
+    """The tensors' implementation axis is ``names``; the ratios pair rounds, the compile time is the slower rank's."""
+    round_ms = slower_rank_round_ms(all_times)  # (rounds, impls)
+    result = {"config": vars(args), "world": WORLD, "impls": {}, "ratios": {}, "goals": {},
+              "dynamo_graphs_after_warmup": late_graphs}
+    for i, name in enumerate(names):
+        ms, first_s = round_ms[:, i].tolist(), [f[i, 0].item() for f in all_first]
+        result["impls"][name] = {
+            "step_ms_per_round": ms, "step_ms": statistics.median(ms),
+            "step_s_per_rank_round_step": [t[:, i].tolist() for t in all_times],
+            "first_step_s": max(first_s), "first_step_s_per_rank": first_s,
+            "dynamo_graphs_warmup": int(all_first[0][i, 1].item()),
+            "held_mib": memory[i, 0].item() / MiB, "step_above_start_mib": memory[i, 1].item() / MiB,
+            "peak_mib": memory[i, 2].item() / MiB, "last_loss": losses[i].item() / WORLD,
+        }
+    for name in names:
+        if name != SAME_MODE_UNSHARDED[name]:
+            result["ratios"][f"{name}/{SAME_MODE_UNSHARDED[name]}"] = paired_ratio(round_ms, names, name, SAME_MODE_UNSHARDED[name])
+    for a, b in ((COMPILED_MODE, NO_OVERLAP), (COMPILED_MODE, EAGER), (COMPILED_MODE, FSDP2_BLOCKS), (COMPILED_MODE, FSDP2), (EAGER, FSDP2), (UNSHARDED_COMPILED, UNSHARDED)):
+        result["ratios"][f"{a}/{b}"] = paired_ratio(round_ms, names, a, b)
+    compiled, eager = result["ratios"][f"{COMPILED_MODE}/{UNSHARDED_COMPILED}"], result["ratios"][f"{EAGER}/{UNSHARDED}"]
+    per_rank = [f[names.index(COMPILED_MODE), 0].item() / f[names.index(UNSHARDED_COMPILED), 0].item() for f in all_first]
+    compile_time = result["impls"][COMPILED_MODE]["first_step_s"] / result["impls"][UNSHARDED_COMPILED]["first_step_s"]
+    result["goals"] = {
+        "sharding_cost_compiled": {"what": f"step time, {COMPILED_MODE} / {UNSHARDED_COMPILED}", **compiled,
+                                   "goal": f"<= {SHARDING_COST_GOAL} and <= sharding_cost_eager",
+                                   "met": compiled["median"] <= min(SHARDING_COST_GOAL, eager["median"])},
+        "sharding_cost_eager": {"what": f"step time, {EAGER} / {UNSHARDED}", **eager, "goal": None, "met": None},
+        "compile_time": {"what": f"first forward + backward (slower rank), {COMPILED_MODE} / {UNSHARDED_COMPILED}",
+                         "median": compile_time, "per_rank": per_rank, "goal": f"<= {COMPILE_TIME_GOAL}",
+                         "met": compile_time <= COMPILE_TIME_GOAL},
+    }
+    return result
+
+
+def run_compile(args: argparse.Namespace) -> dict:
+    """Part 4 on WORLD spawned ranks, inductor's caches off and its cache directory a fresh one."""
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache_dir:
+        env = dict(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0", TORCHINDUCTOR_CACHE_DIR=cache_dir)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # the ranks inherit it (and set the configs themselves)
+        try:
+            return run_ranks(compile_rank, args)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def print_compile(console: Console, result: dict) -> None:
+    c, impls = result["config"], result["impls"]
+    table = Table(title=f"--compile: GPT {c['layers']}x{c['dim']} (heads {c['heads']}), {result['world']} gloo ranks, "
+                        f"batch {c['batch']}x{c['seq']} per rank, {c['rounds']} rounds x {c['steps']} steps; inductor, caches off")
+    for header in ("impl", "step ms\n(min..max rounds)", "/ unsharded\n(same mode)", "first fwd+bwd s\n(compile)",
+                   "dynamo graphs\n(warm-up)", "peak MiB/rank\n(state + step)", "last loss"):
         table.add_column(header, justify="right")
-    eager_shardkit = compiled["impls"][EAGER]["step_ms"]  # the same run: the same machine state
-    for name in (*IMPLS, COMPILED_MODE, EAGER):
-        b = compiled["impls"][name]["step_ms"]
-        same = "shardkit" if name == EAGER else name
-        a = eager["impls"][same]["step_ms"] if same in eager["impls"] else None
-        table.add_row(name, "-" if a is None else f"{a:.1f}", f"{b:.1f}", "-" if a is None else f"{b / a:.2f}", f"{b / eager_shardkit:.2f}")
+    for name, r in impls.items():
+        ref = SAME_MODE_UNSHARDED[name]
+        ratio = "-" if name == ref else f"{result['ratios'][f'{name}/{ref}']['median']:.3f}"
+        table.add_row(name, f"{r['step_ms']:.1f} ({spread(r['step_ms_per_round'])})", ratio, f"{r['first_step_s']:.2f}",
+                      str(r["dynamo_graphs_warmup"]), f"{r['peak_mib']:.1f} ({r['held_mib']:.1f} + {r['step_above_start_mib']:.1f})",
+                      f"{r['last_loss']:.5f}")
     console.print(table)
-    console.print("compiled ratios: " + ", ".join(f"{k} {v['median']:.2f}" for k, v in compiled["ratios"].items()))
+    goals = Table(title="compiled mode's goals (issue 30): ratios, not times, are what this machine measures")
+    for header in ("ratio", "measured\n(min..max)", "goal", "met"):
+        goals.add_column(header, justify="right")
+    g = result["goals"]
+    mark = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}
+    goals.add_row(f"what sharding adds, compiled mode\n({COMPILED_MODE} / {UNSHARDED_COMPILED}, step)",
+                  f"{g['sharding_cost_compiled']['median']:.3f} ({spread(g['sharding_cost_compiled']['per_round'])})",
+                  f"<= {SHARDING_COST_GOAL} and <= eager mode's", mark[g["sharding_cost_compiled"]["met"]])
+    goals.add_row(f"what sharding adds, eager mode\n({EAGER} / {UNSHARDED}, step)",
+                  f"{g['sharding_cost_eager']['median']:.3f} ({spread(g['sharding_cost_eager']['per_round'])})", "-", "-")
+    goals.add_row(f"compile time\n({COMPILED_MODE} / {UNSHARDED_COMPILED}, first fwd+bwd)",
+                  f"{g['compile_time']['median']:.2f} (ranks {spread(g['compile_time']['per_rank'])})",
+                  f"<= {COMPILE_TIME_GOAL}", mark[g["compile_time"]["met"]])
+    console.print(goals)
+    console.print("other ratios (step time, median of paired per-round ratios, min..max): " + ", ".join(
+        f"{k} {v['median']:.2f} ({spread(v['per_round'])})" for k, v in result["ratios"].items()
+        if k not in (f"{COMPILED_MODE}/{UNSHARDED_COMPILED}", f"{EAGER}/{UNSHARDED}")))
+    console.print("step ms: per round the median step (zero_grad, forward, backward, AdamW) of the slower rank, then the median over rounds.\n"
+                  "first fwd+bwd: the wall time of the first forward + backward, compilation included, each in a fresh inductor cache; "
+                  "the slower rank's.\n"
+                  "dynamo graphs: compiled during the implementation's warm-up steps. peak: parameters + optimizer state at a step's "
+                  "start, plus the most\nthe step allocates above that (the CPU profiler's allocation events), median of "
+                  f"{MEMORY_STEPS} steps; the larger rank's.\n"
+                  f"unsharded and unsharded compiled run in each rank (its own copy and batch, no communication): the same CPU "
+                  "contention and per-rank batch as the sharded ones.")
+    if result["dynamo_graphs_after_warmup"]:
+        console.print(f"[red]warning: dynamo compiled {result['dynamo_graphs_after_warmup']} graph(s) after the warm-up (recompiles in the timed steps)[/]")
+    for names, ref in ((SHARDED, EAGER), ((UNSHARDED, UNSHARDED_COMPILED), UNSHARDED)):
+        for name in names:  # the same weights and batches: inductor's kernels round differently, no more
+            gap = abs(impls[name]["last_loss"] - impls[ref]["last_loss"]) / abs(impls[ref]["last_loss"])
+            if gap > 1e-3:
+                console.print(f"[red]warning: {name}'s last loss differs from {ref}'s by {gap:.2e} relative (> 1e-3)[/]")
+
+
+def run_parts_1_to_3(args: argparse.Namespace, console: Console, results: dict) -> None:
+    if not args.only_overhead:
+        results["distributed"] = run_ranks(distributed_rank, args)
+        print_distributed(console, results["distributed"])
+    if not args.skip_overhead:
+        results["overhead"] = run_overhead(args)  # after the ranks have exited: no gloo group here
+        print_overhead(console, results["overhead"])
+    if not (args.skip_muon or args.only_overhead):
+        import muon_bench  # part 3, in its own ranks
+
+        results["muon"] = muon_bench.run(muon_bench.parse_args(["--quick", "--skip-hsdp"] if args.quick else []), console)
 
 
 def main() -> int:
@@ -573,20 +884,11 @@ def main() -> int:
     console = make_console()
     start = time.perf_counter()
     results = {}
-    if not args.only_overhead:
-        compile_too, args.compile = args.compile, False
-        results["distributed"] = run_distributed(args)  # the ranks print their table
-        if compile_too:
-            args.compile = True
-            results["compiled"] = run_distributed(args)
-            print_compiled(console, results["distributed"], results["compiled"])
-    if not args.skip_overhead:
-        results["overhead"] = run_overhead(args)  # after the ranks have exited: no gloo group here
-        print_overhead(console, results["overhead"])
-    if not (args.skip_muon or args.only_overhead):
-        import muon_bench  # part 3, in its own ranks
-
-        results["muon"] = muon_bench.run(muon_bench.parse_args(["--quick", "--skip-hsdp"] if args.quick else []), console)
+    if args.compile:  # part 4 alone
+        results["compile"] = run_compile(args)
+        print_compile(console, results["compile"])
+    else:
+        run_parts_1_to_3(args, console, results)
     console.print(f"wall time {time.perf_counter() - start:.1f} s")
     if args.json:
         with open(args.json, "w") as f:

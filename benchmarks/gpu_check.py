@@ -14,7 +14,9 @@ On one GPU, NCCL at world 1, in a few minutes:
    and median step time, side by side;
 5. compiled mode: the GPT with ``shardkit.compiled.fully_shard`` and ``torch.compile(model,
    fullgraph=True)`` (inductor) against eager shardkit: losses over 3 AdamW steps (inductor's
-   kernels round differently: 1e-4), then median step time and peak memory side by side;
+   kernels round differently: 1e-4); then compiled mode, eager shardkit and torch's FSDP2
+   (eager) side by side: median step time, peak memory (each model alone on the device, above
+   what was allocated before it was built) and the first step's time (compiled mode's compile);
 6. Muon: 8 ``nn.Linear(256, 256)`` blocks sharded by shardkit, their weights stepped by
    ``shardkit.optim.Muon`` and by ``torch.optim.Muon`` (DTensor ops), the same injected
    gradients, next to ``torch.optim.Muon`` on the unsharded weights: shardkit's parameters
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import os
 import statistics
 import subprocess
@@ -40,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -75,10 +79,13 @@ def run_gpu_tests(device: torch.device) -> None:
         print(out.stdout[-4000:], out.stderr[-2000:], sep="\n")
 
 
+def gpt_config(**overrides) -> GPTConfig:
+    return GPTConfig(**{"vocab_size": 512, "block_size": 128, "n_layer": 4, "n_head": 8, "n_embd": 256, **overrides})
+
+
 def gpt(device: torch.device, **overrides) -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(**{"vocab_size": 512, "block_size": 128, "n_layer": 4, "n_head": 8, "n_embd": 256, **overrides})
-    return GPT(config).to(device)
+    return GPT(gpt_config(**overrides)).to(device)
 
 
 def batches(device: torch.device, config: GPTConfig, n: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -223,22 +230,45 @@ def train_timed(model: nn.Module, opt: torch.optim.Optimizer, data: list, device
     return times, losses
 
 
+COMPILED_MODE_IMPLS = {"compiled": shardkit.compiled.fully_shard, "eager": shardkit.fully_shard, "fsdp2": torch_fully_shard}
+WARMUP = 3  # steps before the timed ones: compiled mode compiles in the first; the parity losses
+
+
 def check_compiled_mode(mesh, device: torch.device) -> None:
-    """Compiled mode against eager shardkit: the same losses, then step time and peak memory."""
-    models = {}
-    for name, fully_shard in (("eager", shardkit.fully_shard), ("compiled", shardkit.compiled.fully_shard)):
-        model = apply_fully_shard(gpt(device), fully_shard, mesh=mesh)
-        models[name] = (torch.compile(model, fullgraph=True) if name == "compiled" else model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    data = batches(device, models["eager"][0].config, 13)
-    losses, ms, peaks = {}, {}, {}
-    for name, (model, opt) in models.items():
+    """Compiled mode against eager shardkit and FSDP2 (eager) on the same GPT and batches: the
+    same losses over the warm-up steps, then median step time, peak memory and the first step's
+    time. One model at a time: each is built, trained and freed before the next, and its peak
+    is ``max_memory_allocated`` over the timed steps above what was allocated before it was built."""
+    data = batches(device, gpt_config(), WARMUP + 10)
+    losses, ms, peaks, first = {}, {}, {}, {}
+    for name, fully_shard in COMPILED_MODE_IMPLS.items():
+        gc.collect()
         reset_peak(device)
-        times, losses[name] = train_timed(model, opt, data, device)
-        ms[name], peaks[name] = statistics.median(times[3:]), peak(device)
-    worst = max(abs(a - b) for a, b in zip(losses["eager"][:3], losses["compiled"][:3]))
-    report("compiled mode parity", worst <= 1e-4, f"3 AdamW steps against eager shardkit: largest loss difference {worst:.2e}")
-    report("compiled mode speed", None, f"step {ms['compiled']:.1f} ms vs eager {ms['eager']:.1f} ms "
-           f"({ms['compiled'] / ms['eager']:.2f}x); peak {peaks['compiled'] / 2**20:.0f} vs {peaks['eager'] / 2**20:.0f} MiB")
+        base = allocated(device)
+        model = apply_fully_shard(gpt(device), fully_shard, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if name == "compiled":
+            model = torch.compile(model, fullgraph=True)
+        warm_times, losses[name] = train_timed(model, opt, data[:WARMUP], device)
+        reset_peak(device)
+        times, _ = train_timed(model, opt, data[WARMUP:], device)
+        ms[name], peaks[name], first[name] = statistics.median(times), peak(device) - base, warm_times[0] / 1e3
+        del model, opt
+        if name == "compiled":
+            torch._dynamo.reset()  # drop its compiled graphs (and what they hold) before the next model
+    worst = max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))
+    fsdp2_gap = max(abs(a - b) for a, b in zip(losses["eager"], losses["fsdp2"]))
+    report("compiled mode parity", worst <= 1e-4, f"{WARMUP} AdamW steps against eager shardkit: largest loss difference {worst:.2e} "
+           f"(FSDP2 against eager shardkit: {fsdp2_gap:.2e})")
+    c, e, f = ms["compiled"], ms["eager"], ms["fsdp2"]
+    if peaks["eager"] > 0 and peaks["fsdp2"] > 0:
+        memory = (f"peak {peaks['compiled'] / 2**20:.0f} / {peaks['eager'] / 2**20:.0f} / {peaks['fsdp2'] / 2**20:.0f} MiB "
+                  f"({peaks['compiled'] / peaks['eager']:.2f}x eager, {peaks['compiled'] / peaks['fsdp2']:.2f}x FSDP2)")
+    else:
+        memory = "peak n/a on the CPU"
+    report("compiled mode speed", None, f"compiled / eager shardkit / FSDP2: step {c:.1f} / {e:.1f} / {f:.1f} ms "
+           f"(compiled {c / e:.2f}x eager, {c / f:.2f}x FSDP2; eager {e / f:.2f}x FSDP2), {memory}; "
+           f"first step {first['compiled']:.1f} / {first['eager']:.1f} / {first['fsdp2']:.1f} s (compiled mode's compile)")
 
 
 def check_muon(mesh, device: torch.device) -> None:
@@ -295,6 +325,10 @@ def reset_peak(device: torch.device) -> None:
 
 def peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def main() -> int:
