@@ -1,4 +1,4 @@
-"""fully_shard(): validate, collect the parameters, shard them, install the hooks (compiled.py: the first three)."""
+"""fully_shard(): validate, collect the parameters, shard them, install the hooks (compiled/: the first three)."""
 
 from __future__ import annotations
 

@@ -3,21 +3,26 @@
     from shardkit.compiled import fully_shard   # instead of: from shardkit import fully_shard
 
 The same calls (``fully_shard`` on each block, then on the root) and the same sharded
-parameters: each is an ``nn.Parameter`` holding the same ``Shard(0)`` DTensor as in eager mode,
-so the optimizer, ``state_dict()`` and ``shardkit.checkpoint`` files are the eager mode's. What
-differs is how the parameters are gathered: no hooks and no schedule. A group's forward runs
-``gather``: the group's shards, cast to ``param_dtype``, laid end to end and all-gathered in
-ONE functional collective (``_c10d_functional.all_gather_into_tensor``), whose autograd
-backward is ONE reduce-scatter of the gradients in ``reduce_dtype``, divided by the ranks.
-The modules read their parameters through class properties that return the gathered
-tensors while their group's forward runs (the sharded DTensors otherwise). Dynamo traces all
-of it: ``torch.compile(model, fullgraph=True)`` gives one forward and one backward graph,
-with one all-gather per group in forward and one reduce-scatter per group in backward, which
-the compiler is free to schedule around the compute.
+parameters: each is an ``nn.Parameter`` holding the same DTensor as in eager mode, so the
+optimizer, ``state_dict()`` and ``shardkit.checkpoint`` files are the eager mode's. What differs
+is how the parameters are gathered: no hooks and no schedule. A group's forward runs
+``gather`` (gather.py): the group's shards, cast to ``param_dtype``, laid end to end and
+all-gathered in ONE functional collective, whose autograd backward is ONE reduce-scatter of
+the gradients in ``reduce_dtype`` (HSDP: then an all-reduce over the replicas), divided as
+eager mode divides. The modules read their parameters through class properties that return
+the gathered tensors while their group's forward runs (the sharded DTensors otherwise).
+Dynamo traces all of it: ``torch.compile(model, fullgraph=True)`` gives one forward and one
+backward graph, and inductor's scheduler gets a last pass (overlap.py) that issues each
+group's all-gather during the previous group's compute and waits for each reduce-scatter
+late, as eager mode's schedule.
 
 ``reshard_after_forward=True`` (every group but the root, by default) wraps the gather in a
 selective activation checkpoint that recomputes it: the compiled backward all-gathers the
 group again instead of keeping its unsharded parameters from forward (the eager schedule).
+
+A compiled-mode module is an ``FSDPModule`` whose methods are its own (module.py): settings
+the traced forward reads (one more graph per new setting), no-ops where one graph already
+does the work, and a ``NotImplementedError`` naming the method otherwise.
 
 Without ``torch.compile`` the same code runs eagerly and trains to the same numbers, but
 every collective blocks and the unsharded parameters stay alive until backward (eager
@@ -27,10 +32,9 @@ The trace (``shardkit.trace()``) records each collective where the graph issues 
 its wait returns, through an ordered-effect op (``shardkit::trace_collective``); the all-gathers
 the partitioner recomputes in backward are not recorded (it does not recompute effectful ops).
 
-Not in this mode (they raise): ``shard_placement_fn`` other than ``Shard(0)``, CPU offload,
-an int ``reshard_after_forward``, HSDP and ``dp_mesh_dims`` meshes, weights tied across two
-``fully_shard`` calls, tensor subclasses with FSDP2's all-gather hooks, and the
-``FSDPModule`` methods (a compiled-mode module is not an ``FSDPModule``).
+Not in this mode (they raise): ``shard_placement_fn``, CPU offload, an int
+``reshard_after_forward``, weights tied across two ``fully_shard`` calls, tensor subclasses
+with FSDP2's all-gather hooks.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ class _GatherGraphBucket(torch.autograd.Function):
         ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by = group, reduce_dtype, flat.dtype, divide_by
         shard = group.shard
         send = flat.to(param_dtype)
+        if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
+            return send if send is not flat else send.clone()
         torch.ops.shardkit.trace_collective(send, "all_gather", group.name, shard.world, shard.mesh_dim, False)
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, shard.world, shard.pg_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
@@ -41,11 +43,13 @@ class _GatherGraphBucket(torch.autograd.Function):
         grad = grad.to(ctx.reduce_dtype).contiguous()
         if pre != 1:
             grad = grad / pre
-        torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, shard.world, shard.mesh_dim, False)
-        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name)
-        reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
-        torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, shard.world, shard.mesh_dim, True)
-        if replicate is not None:
+        reduced = grad
+        if shard.world > 1:
+            torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, shard.world, shard.mesh_dim, False)
+            reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name)
+            reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
+            torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, shard.world, shard.mesh_dim, True)
+        if replicate is not None and replicate.world > 1:
             torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, False)
             reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
             torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, True)

@@ -15,7 +15,7 @@ from typing import Any
 import torch.nn as nn
 
 from shardkit.compiled.group import CompiledGroup
-from shardkit.module import FSDPModule
+from shardkit.module import FSDPModule, UnshardHandle
 from shardkit.state import state_of
 
 
@@ -83,10 +83,11 @@ class CompiledFSDPModule(FSDPModule):
         if not reshard_after_backward:
             _unavailable("set_reshard_after_backward(False)", "the backward graph frees the unsharded parameters it gathered")
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Accepted; no effect: the graph all-gathers the group at its forward, overlapped
-        with the previous group's compute (``shardkit.compiled.overlap``)."""
-        return None
+        with the previous group's compute (``shardkit.compiled.overlap``). With ``async_op``, a
+        handle whose ``wait()`` does nothing, as FSDP2's API returns one."""
+        return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
         """Accepted; no effect: outside the graph only the sharded parameters exist."""

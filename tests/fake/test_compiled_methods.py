@@ -39,6 +39,15 @@ def test_a_compiled_module_is_an_fsdp_module_whose_every_method_is_its_own():
     assert type(model.blocks[0]).__name__ == "FSDPBlock" and type(model.blocks[0]).__mro__[4].__name__ == "Block"
 
 
+def test_unshard_returns_a_handle_with_async_op_as_fsdp2():
+    with fake_world(8) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        assert model.unshard() is None
+        handle = model.unshard(async_op=True)
+        handle.wait()
+        model.reshard()
+
+
 @pytest.mark.parametrize("method", sorted(RAISING))
 def test_what_compiled_mode_cannot_do_raises_naming_the_method(method):
     with fake_world(8) as mesh:

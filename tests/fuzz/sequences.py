@@ -265,6 +265,8 @@ class Collectives(TorchDispatchMode):
             # bf16 on a backend that averages, as the fake one) or with SUM and a division (others)
             averaged = args[1] == "sum" and args[0].dtype in (torch.float32, torch.bfloat16)
             self.seen.append(("reduce_scatter", "avg" if averaged else args[1]))
+        elif name == "_c10d_functional::all_reduce":  # compiled mode's HSDP (input, op, group_name)
+            self.seen.append(("all_reduce", args[1]))
         return func(*args, **kwargs)
 
 
@@ -278,6 +280,17 @@ def _op(script_op) -> str:
     names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PREMUL_SUM: "sum"}
     value = int(script_op.op())
     return next((name for op, name in names.items() if int(op) == value), str(value))
+
+
+def _reductions_by_kind(counters: tuple) -> tuple:
+    """``comparable``'s counters with the reductions (1: reduce-scatters, 2: all-reduces) counted by kind alone."""
+    def by_kind(c: Counter) -> Counter:
+        out: Counter = Counter()
+        for seen, n in c.items():
+            out[seen[0]] += n
+        return out
+
+    return tuple(by_kind(c) if i in (1, 2) else c for i, c in enumerate(counters))
 
 
 def comparable(seen: list[tuple]) -> tuple:
@@ -405,6 +418,10 @@ class Run:
         if name in ("step", "train") and self.user_unsharded:
             # FSDP2 keeps what an explicit unshard() gathered across an optimizer step and uses it
             # in the next forward; shardkit gathers again (the step may have changed the shards).
+            self.gathers_comparable = False
+        if name == "unshard" and self.spec.compiled_mode:
+            # compiled mode's unshard() does nothing (its graph gathers at forward); FSDP2's
+            # all-gathers now, and its next forward of that group does not
             self.gathers_comparable = False
         if name == "unshard":
             self.user_unsharded.add(args[0])
@@ -590,6 +607,8 @@ class Run:
         labels = ("all-gathers (dtype, numel)", "reductions (op)", "all-reduces (op)", "the optimizer's all-to-alls (dtype, sent, received)")
         if self.fsdp2_zero_grads:
             mine, theirs = mine[:3], theirs[:3]
+        if self.spec.compiled_mode:  # it sums and divides after; FSDP2 picks AVG, SUM or PREMUL_SUM by factor and backend
+            mine, theirs = _reductions_by_kind(mine), _reductions_by_kind(theirs)
         # Compiled mode run eagerly keeps a group's gathered parameters from forward to backward
         # (autograd saves them), where FSDP2 gathers a resharded group again: not compared.
         first = 0 if self.gathers_comparable and not (self.spec.compiled_mode and cmd[0] == "backward") else 1

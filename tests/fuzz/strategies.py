@@ -19,13 +19,13 @@ def own_shard_size(world: int) -> int:
 def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
     tied across groups), for the tier that only compares with FSDP2. One in five shards
-    shardkit's side in compiled mode, with only what that mode takes: a 1-D mesh, a bool
+    shardkit's side in compiled mode, with only what that mode takes: a bool
     reshard_after_forward, no weights tied across groups, no mesh of a parameter's own, and no
     unused Linear (it gets a zero gradient there, which AdamW's weight decay then applies,
     where the unsharded model's stays None). One in four steps the 2-D matrices with Muon
     (``Spec.optim``)."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
-    mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 and not compiled else ["1d"]))
+    mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
     shard_size = world // 2 if mesh == "hsdp" else world
     ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0 and not compiled]  # reshard to R ranks after forward
     reshard = draw(st.sampled_from([True, False, *ints]))
@@ -93,10 +93,23 @@ def commands() -> st.SearchStrategy[tuple]:
     )
 
 
+COMPILED_KNOBS = {  # the settings compiled mode takes, and the values it takes (the others raise)
+    "reshard_after_forward": st.booleans(),
+    "gradient_divide_factor": _knob_values("factor"),
+    "is_last_backward": st.booleans(),
+    "force_sum_reduction_for_comms": st.booleans(),
+    "requires_gradient_sync": st.just(True),
+    "requires_all_reduce": st.just(True),
+    "reshard_after_backward": st.just(True),
+}
+
+
 def compiled_commands() -> st.SearchStrategy[tuple]:
-    """The calls compiled mode takes: its modules are no FSDPModule (no unshard, reshard,
-    set_* knobs, reset_iter_state)."""
-    return st.one_of(*_training_calls(), *STATE_CALLS, CLIP, st.just(("to_float64",)))
+    """The calls compiled mode takes: its FSDPModule settings (``COMPILED_KNOBS``), unshard and
+    reshard (which do nothing there: the graph gathers), no reset_iter_state."""
+    knobs = [st.tuples(st.just("set"), st.just(knob), targets, values) for knob, values in COMPILED_KNOBS.items()]
+    return st.one_of(*_training_calls(), *STATE_CALLS, CLIP, st.just(("to_float64",)), *knobs,
+                     st.tuples(st.just("unshard"), targets, st.sampled_from(UNSHARD_HOWS)), st.tuples(st.just("reshard"), targets))
 
 
 def sequences(max_size: int = 14, compiled: bool = False) -> st.SearchStrategy[list[tuple]]:
