@@ -24,8 +24,12 @@ class _GatherGraphBucket(torch.autograd.Function):
     in the shards' dtype."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, divide_by: float) -> torch.Tensor:
-        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by = group, reduce_dtype, flat.dtype, divide_by
+    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, divide_by: float, sync: bool) -> torch.Tensor:
+        """``unreduced``: without ``sync``, the leaf that keeps the unsharded gradient
+        (``CompiledGroup.unreduced``); with it, what earlier backwards kept (added before the
+        reduce-scatter), or None."""
+        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by, ctx.sync = group, reduce_dtype, flat.dtype, divide_by, sync
+        ctx.save_for_backward(unreduced if sync else None)
         shard = group.shard
         send = flat.to(param_dtype)
         if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
@@ -39,8 +43,13 @@ class _GatherGraphBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         group, shard, replicate = ctx.group, ctx.group.shard, ctx.group.replicate
+        if not ctx.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
+            return None, grad.to(ctx.reduce_dtype), None, None, None, None, None
+        (unreduced,) = ctx.saved_tensors
         pre, post = _divide_factors(ctx.divide_by, ctx.reduce_dtype)
         grad = grad.to(ctx.reduce_dtype).contiguous()
+        if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
+            grad = unreduced + grad
         if pre != 1:
             grad = grad / pre
         reduced = grad
@@ -53,7 +62,7 @@ class _GatherGraphBucket(torch.autograd.Function):
             torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, False)
             reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
             torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, True)
-        return (reduced / post).to(ctx.dtype), None, None, None, None
+        return (reduced / post).to(ctx.dtype), None, None, None, None, None, None
 
 
 # The trace (``shardkit.trace()``) sees compiled-mode collectives as eager mode's: an op that
@@ -97,11 +106,15 @@ def gather(group: CompiledGroup) -> list[torch.Tensor]:
     registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
     shards = [param.to_local() for param in registered]
 
-    def run(*shards: torch.Tensor) -> list[torch.Tensor]:
+    sync = group.requires_gradient_sync
+    unreduced = [group.take_unreduced(b) if sync else group.unreduced_leaf(b) for b in range(len(group.buckets))]
+
+    def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
+        shards, unreduced = inputs[: len(group.params)], inputs[len(group.params) :]
         unsharded: list[Any] = [None] * len(shards)
-        for bucket in group.buckets:
+        for b, bucket in enumerate(group.buckets):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherGraphBucket.apply(flat, group, bucket.param_dtype, bucket.reduce_dtype, group.divide_by)
+            gathered = _GatherGraphBucket.apply(flat, unreduced[b], group, bucket.param_dtype, bucket.reduce_dtype, group.divide_by, sync)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded
@@ -109,8 +122,8 @@ def gather(group: CompiledGroup) -> list[torch.Tensor]:
     reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
     if reshard and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute)
-        return checkpoint(run, *shards, use_reentrant=False, context_fn=context)
-    return run(*shards)
+        return checkpoint(run, *shards, *unreduced, use_reentrant=False, context_fn=context)
+    return run(*shards, *unreduced)
 
 
 def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:

@@ -52,7 +52,9 @@ class CompiledGroup:
         self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
+        self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
+        self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
         self.make_buckets()
 
     @property
@@ -60,12 +62,35 @@ class CompiledGroup:
         """What the summed gradients are divided by: the data-parallel ranks, or the user's factor."""
         return self.divide_factor if self.divide_factor is not None else float(self.mesh.size())
 
+    def unreduced_leaf(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s leaf for backwards without sync: autograd sums their unsharded gradients
+        (in reduce_dtype) into its ``.grad``. One element of memory, broadcast: the gradient is
+        the only full-size tensor."""
+        if b not in self._unreduced:
+            bucket, p = self.buckets[b], self.params[self.buckets[b].indices[0]]
+            numel = sum(bucket.numels) * self.shard.world
+            self._unreduced[b] = torch.zeros((), dtype=bucket.reduce_dtype, device=p.device).expand(numel).detach().requires_grad_()
+        return self._unreduced[b]
+
+    def take_unreduced(self, b: int) -> torch.Tensor | None:
+        """What backwards without sync kept for bucket ``b`` (None if nothing), forgotten here:
+        the next backward adds it to its gradient before the reduce-scatter."""
+        leaf = self._unreduced.get(b)
+        if leaf is None or leaf.grad is None:
+            return None
+        kept = leaf.grad
+        leaf.grad = None
+        return kept
+
     def nest_in(self, parent: "CompiledGroup") -> None:
         """A later ``fully_shard`` call on a module around ours: it is our parent."""
         self.parent = parent
 
     def make_buckets(self) -> None:
         """The parameters by (dtype, param dtype, reduce dtype): one collective each."""
+        if any(leaf.grad is not None for leaf in getattr(self, "_unreduced", {}).values()):
+            raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync; run a backward with set_requires_gradient_sync(True) before moving the model.")
+        self._unreduced = {}
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype)

@@ -66,9 +66,14 @@ class CompiledFSDPModule(FSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``True`` (the default): accepted. ``False`` (accumulating without reducing) raises."""
-        if not requires_gradient_sync:
-            _unavailable("set_requires_gradient_sync(False)", "each backward graph reduce-scatters its gradients")
+        """``False``: backward keeps the unsharded gradients (summed in ``reduce_dtype``, no
+        communication; the sharded parameters get no gradient) and the next backward with it
+        on adds them before its reduce-scatter, as FSDP2's gradient accumulation without sync.
+        Compiles one graph for ``False`` and one for the first backward after it."""
+        for group in _groups(self, recurse):
+            group.requires_gradient_sync = bool(requires_gradient_sync)
+            for b in range(len(group.buckets)) if not requires_gradient_sync else ():
+                group.unreduced_leaf(b)  # made here, outside any compiled region
 
     # what one graph already does -------------------------------------------------------------
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:

@@ -39,6 +39,29 @@ def test_a_compiled_module_is_an_fsdp_module_whose_every_method_is_its_own():
     assert type(model.blocks[0]).__name__ == "FSDPBlock" and type(model.blocks[0]).__mro__[4].__name__ == "Block"
 
 
+def test_without_sync_backward_keeps_the_unsharded_gradient_and_the_next_sync_reduces_it():
+    """set_requires_gradient_sync(False): no reduce-scatter, no gradient on the shards, the
+    unsharded gradient kept in reduce_dtype (one leaf per bucket); back on: one reduce-scatter
+    per group, and the kept gradient is consumed."""
+    with fake_world(8) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        model.set_requires_gradient_sync(False)
+        for _ in range(2):
+            with shardkit.trace() as t:
+                model(*batch())[1].backward()
+            assert [e.kind for e in t.collectives() if e.kind == "reduce_scatter"] == []
+        assert all(p.grad is None for p in model.parameters())
+        kept = [leaf for g in shardkit.compiled.module._groups(model, True) for leaf in g._unreduced.values()]
+        assert len(kept) == 3 and all(leaf.grad is not None and leaf.grad.shape == leaf.shape for leaf in kept)
+        with pytest.raises(RuntimeError, match="kept without sync"):
+            model.to(torch.float64)
+        model.set_requires_gradient_sync(True)
+        with shardkit.trace() as t:
+            model(*batch())[1].backward()
+        assert len(t.collectives("reduce_scatter")) == 3
+        assert all(leaf.grad is None for leaf in kept) and all(p.grad is not None for p in model.parameters())
+
+
 def test_unshard_returns_a_handle_with_async_op_as_fsdp2():
     with fake_world(8) as mesh:
         model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
@@ -56,7 +79,7 @@ def test_what_compiled_mode_cannot_do_raises_naming_the_method(method):
             getattr(model, method)(*RAISING[method])
 
 
-@pytest.mark.parametrize("call", ["set_requires_gradient_sync(False)", "set_reshard_after_backward(False)", "set_requires_all_reduce(False)"])
+@pytest.mark.parametrize("call", ["set_reshard_after_backward(False)", "set_requires_all_reduce(False)"])
 def test_settings_compiled_mode_cannot_take_raise_naming_them(call):
     with fake_world(8) as mesh:
         model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
