@@ -61,6 +61,8 @@ MUTANTS = {
                               "compiled mode divides its reduced gradients by twice the ranks"),
     "compiled-hsdp-no-all-reduce": ("shardkit/compiled/gather.py", "if replicate is not None and replicate.world > 1:", "if False:",
                                     "compiled mode's HSDP never all-reduces its gradients over the replicas"),
+    "overlap-no-prefetch": ("shardkit/compiled/overlap.py", "place[g] = min(place[g], place[wait_of[previous]] + 0.25)", "place[g] = place[g]",
+                            "the overlap pass never issues an all-gather ahead of its group"),
     "overlap-waits-at-issue": ("shardkit/compiled/overlap.py", "place[wait_of[g]] = min(users[wait_of[g]], default=n) - 0.5", "place[wait_of[g]] = g + 0.01",
                                "the overlap pass waits for each all-gather right where it is issued"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",

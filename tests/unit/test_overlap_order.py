@@ -72,6 +72,16 @@ def test_a_trace_op_moves_with_what_it_records():
     assert order.index("issued1") == order.index("ag1") - 1 and order.index("done1") == order.index("w1") + 1
 
 
+def test_a_wait_traced_early_moves_to_just_before_the_first_op_reading_it():
+    g = Graph()
+    g.add("x")
+    g.add("ag", kind=GATHER)
+    g.add("w", "ag", kind=WAIT)
+    g.add("other", "x")  # reads nothing of the all-gather
+    g.add("use", "other", "w")
+    assert g.order() == ["x", "ag", "other", "w", "use"]
+
+
 def test_an_op_that_the_moved_collective_reads_moves_before_it():
     """ag1's input is computed from mm0a (not from the shards alone): it cannot be issued before mm0a."""
     g = Graph()
