@@ -372,6 +372,20 @@ def run_ranks(body, args: argparse.Namespace) -> dict:
             return json.load(f)
 
 
+
+def over_ranks(gathered: tuple, maxed: tuple, summed: tuple) -> list[list[torch.Tensor]]:
+    """Every rank's copy of each ``gathered`` tensor; ``maxed`` and ``summed`` reduced in place
+    over the ranks (the largest, the sum)."""
+    copies = []
+    for tensor in gathered:
+        copies.append([torch.zeros_like(tensor) for _ in range(WORLD)])
+        dist.all_gather(copies[-1], tensor)
+    for tensor in maxed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    for tensor in summed:
+        dist.all_reduce(tensor)
+    return copies
+
 def distributed_rank(args: argparse.Namespace, mesh) -> dict | None:
     """Part 1 in one rank: warm-up, timed rounds, collectives, memory; the summary on rank 0."""
     impls = build_impls(args, mesh)
@@ -384,11 +398,7 @@ def distributed_rank(args: argparse.Namespace, mesh) -> dict | None:
     rss = torch.tensor([peak_rss_mib(impls[name], args) for name in names], dtype=torch.float64)  # (impls, 2)
     held = torch.tensor([state_bytes(impls[name]) for name in names], dtype=torch.float64)
     losses = torch.tensor([impls[name].last_loss for name in names], dtype=torch.float64)
-    all_times = [torch.zeros_like(times) for _ in range(WORLD)]
-    dist.all_gather(all_times, times)
-    for tensor in (rss, held):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    dist.all_reduce(losses)  # summed; divided by WORLD below
+    (all_times,) = over_ranks(gathered=(times,), maxed=(rss, held), summed=(losses,))  # losses divided by WORLD below
     if dist.get_rank() != 0:
         return None
     result = summarize(args, impls["local"], all_times, counts)
@@ -747,12 +757,7 @@ def compile_rank(args: argparse.Namespace, mesh) -> dict | None:
     memory = samples.median(dim=0).values  # (impls, 3)
     late = torch.tensor([dynamo_graphs() - graphs], dtype=torch.float64)  # compiled after the warm-up: recompiles
     losses = torch.tensor([impl.last_loss for impl in impls.values()], dtype=torch.float64)
-    all_times, all_first = [torch.zeros_like(times) for _ in range(WORLD)], [torch.zeros_like(first) for _ in range(WORLD)]
-    dist.all_gather(all_times, times)
-    dist.all_gather(all_first, first)
-    for tensor in (memory, late):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    dist.all_reduce(losses)  # summed; divided by WORLD below
+    all_times, all_first = over_ranks(gathered=(times, first), maxed=(memory, late), summed=(losses,))  # losses divided by WORLD below
     if dist.get_rank() != 0:
         return None
     return summarize_compile(args, tuple(impls), all_times, all_first, memory, losses, int(late.item()))

@@ -88,7 +88,7 @@ class CompiledGroup:
 
     def make_buckets(self) -> None:
         """The parameters by (dtype, param dtype, reduce dtype): one collective each."""
-        if any(leaf.grad is not None for leaf in getattr(self, "_unreduced", {}).values()):
+        if any(leaf.grad is not None for leaf in self._unreduced.values()):
             raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync; run a backward with set_requires_gradient_sync(True) before moving the model.")
         self._unreduced = {}
         buckets: dict[tuple, GraphBucket] = {}

@@ -23,6 +23,7 @@ index); an op's inputs always sort before it, so the sort is a valid order whate
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,17 +92,22 @@ class InductorPass:
         if not any(op.kind for op in ops):
             return snodes
         order = overlapped(ops)
-        REORDERED[0] += order != sorted(order)
+        REORDERED[0] += order != list(range(len(order)))
         return [snodes[i] for i in order]
 
     def uuid(self) -> str:
-        return hashlib.sha256(open(__file__, "rb").read()).hexdigest()
+        return _source_hash()
 
     def __reduce__(self) -> tuple:  # pickled into inductor's cache key
         return (InductorPass, (), {"uuid": self.uuid()})
 
     def __setstate__(self, state: dict) -> None:
         pass
+
+
+@functools.cache
+def _source_hash() -> str:
+    return hashlib.sha256(open(__file__, "rb").read()).hexdigest()
 
 
 def _scheduler_ops(snodes: list[Any]) -> list[Op]:
@@ -138,6 +144,10 @@ def _pair_trace_ops(snodes: list[Any], ops: list[Op]) -> None:
     """Each trace op (issued: reads the collective's input; done: reads its waited output) by
     the collective or wait whose buffer it reads."""
     trace_op = torch.ops.shardkit.trace_collective.default
+    collective_reading: dict[int, int] = {}  # an op -> the first collective that reads it
+    for j, op in enumerate(ops):
+        for d in op.deps if op.kind in (GATHER, SCATTER) else ():
+            collective_reading.setdefault(d, j)
     for i, s in enumerate(snodes):
         if getattr(s.node, "op_overload", None) is not trace_op:
             continue
@@ -145,10 +155,8 @@ def _pair_trace_ops(snodes: list[Any], ops: list[Op]) -> None:
         for d in ops[i].deps:
             if done and ops[d].kind == WAIT:
                 ops[i].trace_of = d
-            elif not done:
-                readers = [j for j, op in enumerate(ops) if op.kind in (GATHER, SCATTER) and d in op.deps]
-                if readers:
-                    ops[i].trace_of = readers[0]
+            elif not done and d in collective_reading:
+                ops[i].trace_of = collective_reading[d]
 
 
 def install() -> None:

@@ -50,15 +50,19 @@ class Recording:
         return compile_graph
 
     def collectives(self, kind: str) -> list[tuple[str, int]]:
-        """(kind, bytes) of each collective of the ``kind`` graph, in graph order."""
-        found = []
-        for gm in self.graphs[kind]:
-            for node in gm.graph.nodes:
-                name = getattr(node.target, "__name__", "").split(".")[0]
-                if node.op == "call_function" and name in COLLECTIVES:
-                    tensor = node.meta["val"] if name == "all_gather_into_tensor" else node.args[0].meta["val"]
-                    found.append((COLLECTIVES[name], tensor.numel() * tensor.element_size()))
-        return found
+        """(kind, bytes) of each collective of the ``kind`` graphs, in graph order."""
+        return [found for gm in self.graphs[kind] for found in graph_collectives(gm)]
+
+
+def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
+    """(kind, bytes) of each all-gather and reduce-scatter of one graph, in graph order."""
+    found = []
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if node.op == "call_function" and name in COLLECTIVES:
+            tensor = node.meta["val"] if name == "all_gather_into_tensor" else node.args[0].meta["val"]
+            found.append((COLLECTIVES[name], tensor.numel() * tensor.element_size()))
+    return found
 
 
 def gpt(fully_shard, **kwargs) -> GPT:

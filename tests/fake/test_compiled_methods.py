@@ -14,7 +14,7 @@ import shardkit
 import shardkit.compiled
 from shardkit.compiled import CompiledFSDPModule
 from tests.conftest import fake_world
-from tests.fake.test_compiled_graphs import Recording, batch, gpt
+from tests.fake.test_compiled_graphs import Recording, batch, gpt, graph_collectives
 
 WORKING = {"unshard", "reshard", "set_requires_gradient_sync", "set_requires_all_reduce", "set_reshard_after_forward",
            "set_reshard_after_backward", "set_is_last_backward", "set_keep_unsharded_storage", "set_gradient_divide_factor",
@@ -104,7 +104,7 @@ def test_a_new_setting_compiles_one_more_graph_and_a_setting_seen_before_none():
             before = len(recording.graphs["backward"])
             model(*batch())[1].backward()
             new = recording.graphs["backward"][before:]
-            return recording.dynamo_graphs, Counter(kind for gm in new for kind, _ in recording_of(gm))
+            return recording.dynamo_graphs, Counter(kind for gm in new for kind, _ in graph_collectives(gm))
 
         assert step() == (1, Counter(all_gather=2, reduce_scatter=3))
         sharded.set_reshard_after_forward(False)
@@ -119,12 +119,6 @@ def test_a_new_setting_compiles_one_more_graph_and_a_setting_seen_before_none():
         assert step()[0] == 4
         with pytest.raises(ValueError, match="positive factor"):
             sharded.set_gradient_divide_factor(0)
-
-
-def recording_of(gm) -> list:
-    found = Recording()
-    found.graphs["backward"] = [gm]
-    return found.collectives("backward")
 
 
 def test_hsdp_gathers_over_shard_and_all_reduces_over_replicate_as_eager():

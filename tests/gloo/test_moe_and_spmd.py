@@ -99,19 +99,28 @@ def compiled_mode_on_a_spmd_dp_tp_mesh_with_dp_mesh_dims_matches_reference(mesh,
     dp_tp_with_dp_mesh_dims(impl, shardkit.compiled.fully_shard, compile=True)
 
 
+def shard_spmd(impl, fully_shard, model, full_mesh, **dims) -> None:
+    """Each block, then the root, with ``dp_mesh_dims`` (shardkit's or FSDP2's class) of ``dims``."""
+    dp_mesh_dims = (shardkit.DataParallelMeshDims if impl == "shardkit" else torch.distributed.fsdp.DataParallelMeshDims)(**dims)
+    for block in model.blocks:
+        fully_shard(block, mesh=full_mesh, dp_mesh_dims=dp_mesh_dims)
+    fully_shard(model, mesh=full_mesh, dp_mesh_dims=dp_mesh_dims)
+
+
+def compiled(model, compile: bool):
+    return torch.compile(model, backend="aot_eager", fullgraph=True) if compile else model
+
+
 def dp_tp_with_dp_mesh_dims(impl, fully_shard, compile=False) -> None:
     full_mesh = dp_tp_mesh()
     model = SpmdStack(full_mesh, n_dp=1)
-    dims = (shardkit.DataParallelMeshDims if impl == "shardkit" else torch.distributed.fsdp.DataParallelMeshDims)(shard="dp")
-    for block in model.blocks:
-        fully_shard(block, mesh=full_mesh, dp_mesh_dims=dims)
-    fully_shard(model, mesh=full_mesh, dp_mesh_dims=dims)
+    shard_spmd(impl, fully_shard, model, full_mesh, shard="dp")
     assert model.blocks[0].w1.placements[0].__class__.__name__ in ("Shard", "_StridedShard")
     # The dp ranks hold different rows; the tp ranks of one dp rank the same ones.
     g = torch.Generator().manual_seed(5)
     data = [[(torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g)) for _ in range(2)] for _ in range(STEPS)]
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compile else model
+    run = compiled(model, compile)
     for step in data:
         x, t = step[full_mesh.get_local_rank("dp")]
         torch.nn.functional.mse_loss(run(x), t).backward()
@@ -144,13 +153,9 @@ def compiled_mode_with_hsdp_through_dp_mesh_dims_matches_reference(mesh, impl):
 def hsdp_with_dp_mesh_dims(impl, fully_shard, compile=False) -> None:
     full_mesh = hsdp_tp_mesh()
     model = SpmdStack(full_mesh, n_dp=2)
-    dims_cls = shardkit.DataParallelMeshDims if impl == "shardkit" else torch.distributed.fsdp.DataParallelMeshDims
-    dims = dims_cls(shard="dp_shard", replicate="dp_replicate")
-    for block in model.blocks:
-        fully_shard(block, mesh=full_mesh, dp_mesh_dims=dims)
-    fully_shard(model, mesh=full_mesh, dp_mesh_dims=dims)
+    shard_spmd(impl, fully_shard, model, full_mesh, shard="dp_shard", replicate="dp_replicate")
     data = batches(seed=7)  # every rank its own rows
-    train_sharded(torch.compile(model, backend="aot_eager", fullgraph=True) if compile else model, data, params=model.parameters())
+    train_sharded(compiled(model, compile), data, params=model.parameters())
     reference = SpmdStack()
     train_reference(reference, data)
     assert_params_match(model, reference)
