@@ -27,9 +27,17 @@ def install(state: GroupState) -> None:
     for module in state.modules:
         module.register_forward_pre_hook(functools.partial(pre_forward, state), prepend=True, with_kwargs=True)
         module.register_forward_hook(functools.partial(post_forward, state))
-        if state.group is not None:  # state dicts always see the sharded parameters
-            module.register_state_dict_pre_hook(lambda *_, group=state.group: group.reshard())
-            module._register_load_state_dict_pre_hook(lambda *_, group=state.group: group.reshard())
+        module.register_state_dict_pre_hook(lambda *_: reshard_for_state_dict(state))
+        module._register_load_state_dict_pre_hook(lambda *_: reshard_for_state_dict(state))
+
+
+def reshard_for_state_dict(state: GroupState) -> None:
+    """State dicts always see the sharded parameters: ours, and the tied weights we borrow
+    (registered in our modules, an owner's; resharding the owner later, when the recursion
+    reaches its modules, would free the storage of the unsharded tensor already put in the dict)."""
+    for group in (state.group, *(owner.group for owner in state.tied.owners)):
+        if group is not None:
+            group.reshard()
 
 
 @torch.compiler.disable

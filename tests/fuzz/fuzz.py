@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {"FUZZ_SEED": str(args.seed), "FUZZ_S": str(args.seconds * 2 / 3), "FUZZ_EXAMPLES": "50", "FUZZ_REPRO": str(ROOT / "fuzz-repro.json")}
     result, tails = spawn_gloo(env, timeout_s=args.seconds + 600)
     if result is None:
-        print(f"FAILED (gloo): no result\n{tails}")
+        crashed = ROOT / "fuzz-running.json"
+        where = f"; the example running when they stopped: {crashed} (make fuzz REPLAY={crashed})" if crashed.exists() else ""
+        print(f"FAILED (gloo): no result{where}\n{tails}")
         return 1
     if result.get("failure"):
         return 1  # rank 0 printed it

@@ -107,6 +107,7 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
         spec = data.draw(strategies.specs(WORLD), label="spec")
         commands = data.draw(strategies.sequences(compiled=spec.compiled_mode), label="commands")
         stats["examples"] += 1
+        running(repro).write_text(to_json(spec, commands, world=WORLD) + "\n")  # left behind if the ranks die
         _send((spec, commands))
         problem = run_example(spec, commands, meshes, stats=stats)
         if problem is not None:
@@ -119,7 +120,14 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
         _rounds(check, stats, seed, examples, seconds, repro)
     finally:
         _send(None)  # the follower stops, whatever happened here
+    running(repro).unlink(missing_ok=True)
     return stats
+
+
+def running(repro: str) -> Path:
+    """Where the example being run is written first: a crash of the ranks (a segfault) leaves it
+    there, to replay (fuzz.py names it)."""
+    return Path(repro).with_name("fuzz-running.json")
 
 
 def _rounds(check, stats: dict, seed: int, examples: int, seconds: float, repro: str) -> None:

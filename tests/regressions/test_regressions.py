@@ -208,3 +208,44 @@ def test_a_custom_reduce_scatter_gets_the_op_fsdp2_gives_it():
 
     assert _hsdp_ops(custom=Recording("reduce_scatter")) == [("reduce_scatter", "avg", 1), ("all_reduce", "avg", 1)]
     assert ops == [dist.ReduceOp.AVG]
+
+
+class TiedAcross(nn.Module):
+    """An embedding tied to a head that a fully_shard call of its own shards first (its owner):
+    the root borrows the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(self.emb(x))))
+
+
+@pytest.mark.parametrize("then", ["state_dict", "load_state_dict"])
+def test_a_state_dict_of_unsharded_groups_with_a_borrowed_tied_weight_holds_live_shards(then):
+    """make fuzz seed 332 (a segfault of both ranks): with set_reshard_after_backward(False) the
+    groups stayed unsharded after backward; state_dict() resharded each group when its modules'
+    turn came, so the root put the head's unsharded tied weight in the dict (emb.weight, a plain
+    tensor) and the head's reshard, later in the same call, freed its storage: reading the
+    entry crashed. Now every entry is the sharded DTensor, and a round trip keeps the values."""
+    from torch.distributed.tensor import DTensor
+
+    with fake_world(2) as mesh:
+        torch.manual_seed(0)
+        model = TiedAcross()
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model.head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_reshard_after_backward(False)
+        model(torch.arange(4).view(1, 4)).sum().backward()
+        if then == "load_state_dict":
+            model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+        sd = model.state_dict()
+        assert all(isinstance(v, DTensor) for v in sd.values()), {k: type(v).__name__ for k, v in sd.items()}
+        local = sd["emb.weight"].to_local()
+        assert local.untyped_storage().nbytes() == local.numel() * local.element_size()
+        assert torch.equal(local.clone(), model.head.weight.to_local())
