@@ -71,7 +71,8 @@ test-fast: $(STAMP)
 # them (their output after), so that both lanes take about as long. Not rerun under sim:
 # test_pretrained_four_ranks.py (reading and writing shards puts nothing on a stream; the 2-rank
 # module trains a transformers model, and is).
-COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py tests/fake/test_compiled_methods.py
+COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py tests/fake/test_compiled_methods.py \
+	tests/fake/test_compiled_regions.py
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py $(COMPILED_FAKE_TESTS)
 SIM_TESTS = tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \

@@ -68,9 +68,14 @@ more than in eager mode), in eager mode = eager shardkit / unsharded; and the co
 compiled mode / unsharded compiled (one sample per run; goal <= 0.6).
 
     --compile   part 4 alone (with --quick: the small model and few rounds)
+    --regions N with --compile: compiled mode's blocks as nested compile regions from N blocks of
+                one structure (shardkit/compiled/region.py; 1: always). Regions turn inductor's
+                buffer reuse off for the whole process: every row of that run compiles without it
     --muon      part 3 alone (the other flags go to muon_bench.py: --quick, --skip-hsdp, --json, ...)
     --skip-muon the parts before it only
     --scaling   how the cost grows with the world and the block count (benchmarks/scaling.py)
+    --compile-time  compiled mode's compile time at 4 and 32 blocks, with and without regions
+                (benchmarks/compile_time.py, its own flags: --layers, --dim, --seq, --json)
 """
 
 from __future__ import annotations
@@ -147,6 +152,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--float8", action="store_true", help="the blocks' Linear layers as torchao float8 (1-byte all-gathers); needs torchao")
     parser.add_argument("--compile", action="store_true", help="part 4 alone: compiled mode next to eager shardkit, FSDP2 (eager and with "
                         "compiled blocks) and the unsharded model (eager and compiled): step time, compile time, peak memory")
+    parser.add_argument("--regions", type=int, default=None, metavar="N", help="--compile: compiled mode runs blocks of one structure as "
+                        "nested compile regions from N of them (shardkit.compiled.region.REGIONS_FROM; default: its own)")
     parser.add_argument("--scaling", action="store_true", help="how the cost grows with the world and the model instead (benchmarks/scaling.py)")
     parser.add_argument("--muon", action="store_true", help="part 3 alone: shardkit.optim.Muon next to torch.optim.Muon (benchmarks/muon_bench.py)")
     parser.add_argument("--skip-muon", action="store_true")
@@ -623,6 +630,8 @@ def build_compile_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
     """Part 4's seven copies of one GPT, in COMPILE_IMPLS order (the order they compile in); nothing
     compiles before its first step."""
     base = base_model(args)
+    if args.regions is not None:
+        shardkit.compiled.region.REGIONS_FROM = args.regions
 
     def sharded(fully_shard) -> nn.Module:
         return apply_fully_shard(copy.deepcopy(base), fully_shard, mesh=mesh)
@@ -881,6 +890,10 @@ def main() -> int:
         import muon_bench  # benchmarks/muon_bench.py, next to this file
 
         return muon_bench.main([a for a in sys.argv[1:] if a != "--muon"])
+    if "--compile-time" in sys.argv[1:]:  # the same: compile_time.py's own flags
+        import compile_time  # benchmarks/compile_time.py, next to this file
+
+        return compile_time.main([a for a in sys.argv[1:] if a != "--compile-time"])
     args = parse_args()
     if args.scaling:
         import scaling  # benchmarks/scaling.py, next to this file

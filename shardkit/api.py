@@ -288,7 +288,7 @@ def subclass(cls: type, namespace: dict[str, Any], mixin: type | None = None) ->
     # as a frame of its own only if the module has hooks and type(module).__module__ starts
     # with "torch.nn." -- without this, torch.compile after fully_shard compiles nothing of it.
     name, bases = (cls.__name__, (cls,)) if mixin is None else (f"FSDP{cls.__name__}", (mixin, cls))
-    return type(name, bases, {**namespace, "__module__": cls.__module__})
+    return type(name, bases, {**namespace, "__module__": cls.__module__, "_shardkit_generated": True})
 
 
 def _no_deepcopy(*args: Any, **kwargs: Any) -> None:

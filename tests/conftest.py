@@ -84,6 +84,10 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_overlap.py",  # inductor compiles the GPT: ~15 s
     "tests/fake/test_compiled_methods.py::test_a_new_setting",  # torch.compile, 4 times
     "tests/fake/test_compiled_methods.py::test_hsdp",
+    "tests/fake/test_compiled_regions.py::test_repeated",  # torch.compile of an 8-block GPT: ~10 s each
+    "tests/fake/test_compiled_regions.py::test_blocks_that_differ",
+    "tests/fake/test_compiled_regions.py::test_the_trace",
+    "tests/fake/test_compiled_regions.py::test_peak_memory",
 )
 
 

@@ -14,7 +14,8 @@ the gathered tensors while their group's forward runs (the sharded DTensors othe
 Dynamo traces all of it: ``torch.compile(model, fullgraph=True)`` gives one forward and one
 backward graph, and inductor's scheduler gets a last pass (overlap.py) that issues each
 group's all-gather during the previous group's compute and waits for each reduce-scatter
-late, as eager mode's schedule.
+late, as eager mode's schedule. Many blocks of one structure (``region.REGIONS_FROM``) run as
+one nested compile region instead, traced and compiled once (region.py).
 
 ``reshard_after_forward=True`` (every group but the root, by default) wraps the gather in a
 selective activation checkpoint that recomputes it: the compiled backward all-gathers the
@@ -46,7 +47,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit import api, meshes
-from shardkit.compiled import overlap
+from shardkit.compiled import overlap, region
 from shardkit.compiled.gather import gather
 from shardkit.compiled.group import CompiledGroup
 from shardkit.compiled.module import CompiledFSDPModule
@@ -91,10 +92,13 @@ def fully_shard(
     overlap.GROUPS.add(group.shard.pg_name)
     api.register_sharded(group, sharded, found)
     _install(group)
+    inner_groups = []
     for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
         inner = state_of(m)
-        if isinstance(inner, CompiledGroup) and inner is not group:
+        if isinstance(inner, CompiledGroup) and inner is not group and inner.modules[0] is m:
             inner.name = fqn
+            inner_groups.append(inner)
+    region.choose(inner_groups)
     return module
 
 
@@ -124,6 +128,7 @@ def _install(group: CompiledGroup) -> None:
         namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
         if m in group.modules:
             namespace["forward"] = gathering(group, type(m).forward)
+            namespace["_shardkit_plain_forward"] = type(m).forward  # what a region runs (region.py)
         mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
         m.__class__ = api.subclass(type(m), namespace, mixin)
 
@@ -143,6 +148,8 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
         args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
         if group.gathered is not None:  # re-entry: another module of the group
             output = forward(self, *args, **kwargs)
+        elif group.region and not kwargs and forward is type(self)._shardkit_plain_forward:
+            output = region.run(group, self, args)
         else:
             group.gathered = gather(group)
             try:

@@ -4,7 +4,7 @@ backward reduce-scatters the gradients, and the trace op that records them."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
@@ -24,27 +24,28 @@ class _GatherGraphBucket(torch.autograd.Function):
     in the shards' dtype."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, divide_by: float, sync: bool) -> torch.Tensor:
+    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, divide_by: float, sync: bool, traced: bool) -> torch.Tensor:
         """``unreduced``: without ``sync``, the leaf that keeps the unsharded gradient
         (``CompiledGroup.unreduced``); with it, what earlier backwards kept (added before the
-        reduce-scatter), or None."""
-        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by, ctx.sync = group, reduce_dtype, flat.dtype, divide_by, sync
+        reduce-scatter), or None. ``traced``: run the trace ops here (False inside a nested
+        compile region, which records its collectives outside: region.py)."""
+        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by, ctx.sync, ctx.traced = group, reduce_dtype, flat.dtype, divide_by, sync, traced
         ctx.save_for_backward(unreduced if sync else None)
         shard = group.shard
         send = flat.to(param_dtype)
         if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
             return send if send is not flat else send.clone()
-        torch.ops.shardkit.trace_collective(send, "all_gather", group.name, shard.world, shard.mesh_dim, False)
+        _trace(traced, send, "all_gather", group.name, shard, False)
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, shard.world, shard.pg_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
-        torch.ops.shardkit.trace_collective(gathered, "all_gather", group.name, shard.world, shard.mesh_dim, True)
+        _trace(traced, gathered, "all_gather", group.name, shard, True)
         return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         group, shard, replicate = ctx.group, ctx.group.shard, ctx.group.replicate
         if not ctx.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
-            return None, grad.to(ctx.reduce_dtype), None, None, None, None, None
+            return None, grad.to(ctx.reduce_dtype), None, None, None, None, None, None
         (unreduced,) = ctx.saved_tensors
         pre, post = _divide_factors(ctx.divide_by, ctx.reduce_dtype)
         grad = grad.to(ctx.reduce_dtype).contiguous()
@@ -54,15 +55,20 @@ class _GatherGraphBucket(torch.autograd.Function):
             grad = grad / pre
         reduced = grad
         if shard.world > 1:
-            torch.ops.shardkit.trace_collective(grad, "reduce_scatter", group.name, shard.world, shard.mesh_dim, False)
+            _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
             reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name)
             reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
-            torch.ops.shardkit.trace_collective(reduced, "reduce_scatter", group.name, shard.world, shard.mesh_dim, True)
+            _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
         if replicate is not None and replicate.world > 1:
-            torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, False)
+            _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
             reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
-            torch.ops.shardkit.trace_collective(reduced, "all_reduce", group.name, replicate.world, replicate.mesh_dim, True)
-        return (reduced / post).to(ctx.dtype), None, None, None, None, None, None
+            _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
+        return (reduced / post).to(ctx.dtype), None, None, None, None, None, None, None
+
+
+def _trace(traced: bool, x: torch.Tensor, kind: str, group: str, comm: Any, done: bool) -> None:
+    if traced:
+        torch.ops.shardkit.trace_collective(x, kind, group, comm.world, comm.mesh_dim, done)
 
 
 # The trace (``shardkit.trace()``) sees compiled-mode collectives as eager mode's: an op that
@@ -72,20 +78,22 @@ _issued: dict[tuple[str, str], list] = {}  # (kind, group) -> its records issued
 
 
 @torch.library.custom_op("shardkit::trace_collective", mutates_args=())
-def _trace_collective(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool) -> None:
-    """``x``: the collective's input (issued) or its output (done): its dtype and size."""
+def _trace_collective(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool, numel: int = -1, dtype: torch.dtype | None = None) -> None:
+    """``x``: the collective's input (issued) or its output (done): its dtype and size, unless
+    ``numel`` (the input's elements) and ``dtype`` say them (a region's trace, region.py)."""
     if not trace.is_recording():
         return
     queue = _issued.setdefault((kind, group), [])
     if not done:
-        numel = x.numel() * world if kind == "all_gather" else x.numel()
-        queue.append(trace.record(kind, group, dtype=x.dtype, numel=numel, world=world, mesh_dim=mesh_dim))
+        numel = x.numel() if numel < 0 else numel
+        numel = numel * world if kind == "all_gather" else numel
+        queue.append(trace.record(kind, group, dtype=x.dtype if dtype is None else dtype, numel=numel, world=world, mesh_dim=mesh_dim))
     elif queue:
         trace.done(queue.pop(0))
 
 
 @_trace_collective.register_fake
-def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool) -> None:
+def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool, numel: int = -1, dtype: torch.dtype | None = None) -> None:
     return None
 
 
@@ -100,27 +108,50 @@ def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+class Settings(NamedTuple):
+    """What a group's gather reads of its settings (module.py), read once per forward (a tuple:
+    a region call takes it as an argument, region.py)."""
+
+    sync: bool  # set_requires_gradient_sync
+    reshard: bool  # reshard after forward: backward gathers again
+    divide_by: float
+
+    @staticmethod
+    def of(group: CompiledGroup) -> "Settings":
+        reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
+        return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by)
+
+
+def gather_inputs(group: CompiledGroup, sync: bool) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """The group's shards as the modules hold them now, and per bucket what ``unreduced``
+    ``_GatherGraphBucket`` takes."""
+    registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
+    shards = tuple(param.to_local() for param in registered)
+    unreduced = tuple(group.take_unreduced(b) if sync else group.unreduced_leaf(b) for b in range(len(group.buckets)))
+    return shards, unreduced
+
+
 def gather(group: CompiledGroup) -> list[torch.Tensor]:
     """The group's unsharded parameters, from one all-gather per bucket (recomputed in backward
     when the group reshards after forward)."""
-    registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
-    shards = [param.to_local() for param in registered]
+    settings = Settings.of(group)
+    return gathered(group, settings, *gather_inputs(group, settings.sync), traced=True)
 
-    sync = group.requires_gradient_sync
-    unreduced = [group.take_unreduced(b) if sync else group.unreduced_leaf(b) for b in range(len(group.buckets))]
+
+def gathered(group: CompiledGroup, settings: Settings, shards: tuple, unreduced: tuple, traced: bool) -> list[torch.Tensor]:
+    """``gather`` from its inputs; ``traced``: with the trace ops (see ``_GatherGraphBucket``)."""
 
     def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
         shards, unreduced = inputs[: len(group.params)], inputs[len(group.params) :]
         unsharded: list[Any] = [None] * len(shards)
         for b, bucket in enumerate(group.buckets):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherGraphBucket.apply(flat, unreduced[b], group, bucket.param_dtype, bucket.reduce_dtype, group.divide_by, sync)
+            gathered = _GatherGraphBucket.apply(flat, unreduced[b], group, bucket.param_dtype, bucket.reduce_dtype, settings.divide_by, settings.sync, traced)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded
 
-    reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
-    if reshard and torch.is_grad_enabled():
+    if settings.reshard and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute)
         return checkpoint(run, *shards, *unreduced, use_reentrant=False, context_fn=context)
     return run(*shards, *unreduced)

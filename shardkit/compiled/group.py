@@ -54,6 +54,7 @@ class CompiledGroup:
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
         self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
+        self.region = False  # its forward runs as a nested compile region (region.py)
         self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
         self.make_buckets()
 

@@ -22,7 +22,8 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     shardkit's side in compiled mode, with only what that mode takes: a bool
     reshard_after_forward, no weights tied across groups, no mesh of a parameter's own, and no
     unused Linear (it gets a zero gradient there, which AdamW's weight decay then applies,
-    where the unsharded model's stays None). One in four steps the 2-D matrices with Muon
+    where the unsharded model's stays None); half of those run the blocks as nested compile
+    regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
     (``Spec.optim``)."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
     mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
@@ -44,6 +45,7 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
         # reshard_after_forward must divide both meshes' shard dims)
         param_mesh=mesh == "1d" and world % 2 == 0 and (isinstance(reshard, bool) or own_shard_size(world) % reshard == 0) and not compiled and draw(st.booleans()),
         compiled_mode=compiled,
+        regions=compiled and draw(st.booleans()),
         optim=draw(st.sampled_from(["adamw"] * 3 + ["muon"])),  # (shrinks towards AdamW alone)
     )
 

@@ -7,6 +7,7 @@ aot_eager runs AOTAutograd's graphs (with the min-cut partitioner inductor uses)
 compiled and eager runs of the same step give the same bits.
 """
 
+import contextlib
 import tempfile
 
 import pytest
@@ -78,6 +79,54 @@ def inductor_with_its_overlap_trains_like_the_unsharded_model(mesh, impl):
     compiled, losses = train(mesh, "compiled", "inductor")
     compiled.assert_params_match()  # against the unsharded model, after 3 steps
     assert overlap.REORDERED[0] > before  # the pass ran on the graphs and moved collectives
+
+
+@contextlib.contextmanager
+def regions():
+    """Every block compiled as a nested compile region (region.py; by default only models with
+    REGIONS_FROM blocks of one structure are)."""
+    import torch._inductor.config
+    from shardkit.compiled import region
+
+    before, region.REGIONS_FROM = region.REGIONS_FROM, 1
+    reuse = torch._inductor.config.allow_buffer_reuse  # fully_shard turns it off for regions
+    try:
+        yield
+    finally:
+        region.REGIONS_FROM, torch._inductor.config.allow_buffer_reuse = before, reuse
+
+
+@checks("shardkit", sim=False)
+def blocks_as_regions_match_eager_shardkit_bit_for_bit(mesh, impl):
+    """The blocks as one nested compile region (its subgraph called once per block): aot_eager
+    gives eager shardkit's bits, with the default settings and then with a divide factor, no
+    reshard after forward and accumulation without sync; inductor (whose CPU code for a region
+    called twice gave wrong gradients with buffer reuse on) the unsharded model's numbers."""
+    eager, eager_losses = train(mesh, "eager")
+    with regions():
+        compiled, losses = train(mesh, "compiled", "aot_eager")
+        blocks = [b._shardkit_state for b in compiled.model._orig_mod.blocks]
+        assert [g.region for g in blocks] == [True, True]
+        assert losses == eager_losses and [torch.equal(c, e) for c, e in zip(losses, eager_losses)] == [True] * STEPS
+        assert_same_bits(compiled, eager, "regions, aot_eager")
+        inductor, _ = train(mesh, "compiled", "inductor")
+        inductor.assert_params_match()
+        runs = {}
+        for mode, backend in (("eager", None), ("compiled", "aot_eager")):
+            torch._dynamo.reset()
+            p = Parity.build(small_gpt, shard(mode, mesh), mesh, "compiled", loss_of=gpt_loss)
+            sharded = p.model
+            sharded.blocks[1].set_gradient_divide_factor(3.0)  # one block only: the regions' key tells them apart
+            sharded.set_reshard_after_forward(False)
+            if backend is not None:
+                p.model = torch.compile(p.model, backend=backend, fullgraph=True)
+            for step in range(2):
+                for i, batch in enumerate(gpt_batches(2, seed=20 + step)):
+                    sharded.set_requires_gradient_sync(i == 1)
+                    p.forward_backward(batch)
+                p.optimizer_step()
+            runs[mode] = p
+        assert_same_bits(runs["compiled"], runs["eager"], "regions: divide factor 3 on one block, no reshard, accumulation")
 
 
 @checks("shardkit", sim=False)

@@ -1,0 +1,166 @@
+"""Compiled mode's repeated blocks, compiled once: a group's gather and its module's forward
+as one ``torch.compiler.nested_compile_region``.
+
+Dynamo traces the region the first time a structure is called, and every later block of the
+same structure calls the same subgraph (``invoke_subgraph``): AOTAutograd partitions it and
+inductor compiles it once, for the whole graph. The region holds the group's all-gather (with
+the selective checkpoint that recomputes it in backward, so ``reshard_after_forward`` holds)
+and its module's forward; its backward holds the reduce-scatter. A region of only the compute
+would keep every block's unsharded parameters for backward: what crosses a region's boundary
+and backward needs is saved, the partitioner cannot recompute it.
+
+Two blocks share a region when ``_region_id`` gives them the same key (``reuse_hash_fn``):
+their modules' classes, plain attributes, parameters and buffers (names, shapes, dtypes),
+training flags, the group's mesh, buckets and settings, and the inputs' shapes, strides and
+dtypes. Dynamo's own reuse test is not enough: it reused a block that differed only in
+``n_head``, a plain attribute, and computed a wrong loss.
+
+What a region costs: the all-gather of a block is issued inside its region, so the overlap
+pass (overlap.py) cannot issue it during the previous block's compute, nor wait for a
+reduce-scatter after the next block's backward. That is the trade, and the root's
+``fully_shard`` makes it only where compile time is what hurts (``choose``): for the blocks of a
+structure at least ``REGIONS_FROM`` blocks share (a module attribute users may set before that
+call: 1, always; a large number, never).
+
+The trace op (an ordered effect) is not in the region: inside one, AOTAutograd dropped the
+region's backward (wrong gradients, no error). The region's collectives are recorded around
+the region call instead: the all-gathers issued before it and done after it, the
+reduce-scatters (and HSDP's all-reduces) issued and done when its backward has run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+from shardkit.compiled.gather import Settings, gather_inputs, gathered
+from shardkit.compiled.group import CompiledGroup
+
+REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them as regions
+
+
+def _block(module: nn.Module, settings: Settings, shards: tuple, unreduced: tuple, *args: Any) -> Any:
+    """The region: gather the group's parameters, run the module's own forward."""
+    group: CompiledGroup = module.__dict__["_shardkit_state"]
+    group.gathered = gathered(group, settings, shards, unreduced, traced=False)
+    try:
+        return type(module)._shardkit_plain_forward(module, *args)
+    finally:
+        group.gathered = None
+
+
+def _key(module: nn.Module, settings: Settings, shards: tuple, unreduced: tuple, *args: Any) -> int:
+    inputs = tuple((tuple(a.shape), tuple(a.stride()), str(a.dtype), a.requires_grad) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+    kept = tuple(u is not None for u in unreduced)
+    return _region_id(module.__dict__["_shardkit_state"], (tuple(settings), kept, inputs, torch.is_grad_enabled()))
+
+
+_REGION_IDS: dict[tuple, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _region_id(group: CompiledGroup, call: tuple) -> int:
+    """One int per (structure, settings, inputs): dynamo runs this while tracing (not in the graph)."""
+    key = (structure(group.modules[0]), group_layout(group), call)
+    return _REGION_IDS.setdefault(key, len(_REGION_IDS))
+
+
+_region = torch.compiler.nested_compile_region(_block, reuse_hash_fn=_key)
+
+
+def structure(module: nn.Module) -> tuple:
+    """What makes two modules the same code: per submodule its class, training flag and plain
+    attributes, and every parameter's and buffer's name, shape and dtype."""
+    parts: list[Any] = []
+    for name, m in module.named_modules():
+        cls = next(c for c in type(m).__mro__ if "_shardkit_generated" not in c.__dict__ and not issubclass(c, TorchFSDPModule))  # the user's class
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, type(None)))))
+        parts.append((name, f"{cls.__module__}.{cls.__qualname__}", m.training, attrs))
+    for kind, tensors in (("p", module.named_parameters()), ("b", module.named_buffers())):
+        parts += [(kind, n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in tensors]
+    return tuple(parts)
+
+
+def group_layout(group: CompiledGroup) -> tuple:
+    """What of the group the region's code holds as constants."""
+    buckets = tuple((tuple(b.indices), tuple(b.numels), str(b.param_dtype), str(b.reduce_dtype)) for b in group.buckets)
+    params = tuple((p.padded_rows, tuple(p.layout.unsharded_padded_shape), p.shape[0]) for p in group.params)
+    replicate = (group.replicate.pg_name, group.replicate.world) if group.replicate is not None else None
+    return (group.shard.pg_name, group.shard.world, replicate, buckets, params, str(group.mp_policy))
+
+
+def eligible(group: CompiledGroup) -> bool:
+    """A group can run as a region: one module, not the root, no tensor-parallel parameters,
+    no other fully_shard call inside it."""
+    if len(group.modules) != 1 or group.parent is None or any(p.tp_spec is not None for p in group.params):
+        return False
+    module = group.modules[0]
+    return all(m.__dict__.get("_shardkit_state") in (None, group) for m in module.modules())
+
+
+def choose(groups: list[CompiledGroup]) -> None:
+    """Which of the groups under one fully_shard call run as regions: the eligible ones of a
+    structure at least ``REGIONS_FROM`` of them share."""
+    by_structure: dict[tuple, list[CompiledGroup]] = {}
+    for group in groups:
+        group.region = False
+        if eligible(group):
+            by_structure.setdefault((structure(group.modules[0]), group_layout(group)), []).append(group)
+    for same in by_structure.values():
+        for group in same if len(same) >= REGIONS_FROM else ():
+            group.region = True
+    if any(group.region for group in groups):
+        _no_buffer_reuse()
+
+
+def _no_buffer_reuse() -> None:
+    """Inductor (torch 2.13) reuses the buffer of a region's input for a new buffer while the
+    region's output that aliases it (a saved input) is still to be read: wrong gradients, no
+    error, even for an unsharded GPT with its blocks as regions. Without buffer reuse the
+    generated code frees each buffer after its last use and allocates new ones (the same peak;
+    more calls to the allocator). Global inductor config, as overlap.install's."""
+    from torch._inductor import config
+
+    config.allow_buffer_reuse = False
+
+
+def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
+    """The module's forward as a region call, with its collectives traced around it."""
+    settings = Settings.of(group)
+    shards, unreduced = gather_inputs(group, settings.sync)
+    if torch.is_grad_enabled() and settings.sync and group.shard.world > 1:
+        shards = _TraceReductions.apply(group, *shards)
+    _trace_gathers(group, shards[0], done=False)
+    output = _region(module, settings, shards, unreduced, *args)
+    _trace_gathers(group, shards[0], done=True)
+    return output
+
+
+def _trace_gathers(group: CompiledGroup, x: torch.Tensor, done: bool) -> None:
+    if group.shard.world > 1:
+        for bucket in group.buckets:
+            torch.ops.shardkit.trace_collective(x, "all_gather", group.name, group.shard.world, group.shard.mesh_dim, done, sum(bucket.numels), bucket.param_dtype)
+
+
+class _TraceReductions(torch.autograd.Function):
+    """The identity on a region's shards; its backward runs when the region's backward has
+    reduced their gradients, and records those reductions."""
+
+    @staticmethod
+    def forward(ctx: Any, group: CompiledGroup, *shards: torch.Tensor) -> tuple:
+        ctx.group = group
+        return tuple(s.view_as(s) for s in shards)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        group, x = ctx.group, next((g for g in grads if g is not None), None)
+        for bucket in group.buckets if x is not None else ():
+            numel = sum(bucket.numels) * group.shard.world
+            for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", group.replicate, sum(bucket.numels))):
+                if comm is not None and comm.world > 1:
+                    for done in (False, True):
+                        torch.ops.shardkit.trace_collective(x, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)
+        return (None, *grads)

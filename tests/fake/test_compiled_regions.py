@@ -1,0 +1,203 @@
+"""Compiled mode's repeated blocks as nested compile regions (shardkit/compiled/region.py), on the
+fake process group (world 8): which groups become regions, one subgraph called once per block
+(forward and backward), the block's collectives inside it with eager's bytes, no recompilation,
+the trace, and peak memory.
+"""
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import shardkit
+import shardkit.compiled
+from shardkit.compiled import region
+from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard
+from tests.conftest import fake_world
+from tests.fake.test_compiled_graphs import WORLD, Recording, graph_collectives
+
+CONFIG = GPTConfig(n_layer=region.REGIONS_FROM, n_embd=32, n_head=2, block_size=16, vocab_size=65)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    """Regions turn inductor's buffer reuse off, globally (region._no_buffer_reuse)."""
+    from torch._inductor import config
+
+    reuse, regions_from = config.allow_buffer_reuse, region.REGIONS_FROM
+    yield
+    config.allow_buffer_reuse, region.REGIONS_FROM = reuse, regions_from
+
+
+def gpt(fully_shard, config=CONFIG, edit=lambda model: None, **kwargs) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(config)
+    edit(model)
+    return apply_fully_shard(model, fully_shard, **kwargs)
+
+
+def batch():
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size), generator=torch.Generator().manual_seed(0))
+    return x, x
+
+
+def calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The subgraph each invoke_subgraph of ``gm`` calls, in graph order."""
+    return [n.args[0].target for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+
+
+def collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
+    """(kind, bytes) of the graph's collectives, a region's counted once per call of it."""
+    inside = [found for sub in calls(gm) for found in graph_collectives(getattr(gm, sub))]
+    return graph_collectives(gm) + inside
+
+
+def step(model):
+    _, loss = model(*batch())
+    loss.backward()
+
+
+def test_repeated_blocks_compile_once_with_eager_modes_collectives():
+    """REGIONS_FROM blocks of one structure: each block is one call of ONE forward subgraph and
+    ONE backward subgraph, which hold the block's all-gather (backward: the all-gather again,
+    reshard_after_forward, and the reduce-scatter); the root gathers in the outer graph. The
+    collectives and their bytes are eager shardkit's, and three more steps compile nothing."""
+    from tests.fake.test_compiled_graphs import eager_trace
+    import tests.fake.test_compiled_graphs as graphs
+
+    with fake_world(WORLD) as mesh, _config(graphs, CONFIG):
+        torch._dynamo.reset()
+        counters.clear()
+        recording = Recording()
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        assert [g.region for g in (b._shardkit_state for b in model.blocks)] == [True] * CONFIG.n_layer
+        assert not model._shardkit_state.region  # the root is never a region
+        compiled = torch.compile(model, fullgraph=True, backend=recording)
+        step(compiled)
+        eager_forward, eager_backward = eager_trace(mesh)
+        for _ in range(3):
+            step(compiled)
+    assert recording.dynamo_graphs == 1 and [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    forward, backward = recording.graphs["forward"][0], recording.graphs["backward"][0]
+    assert len(calls(forward)) == len(calls(backward)) == CONFIG.n_layer
+    assert len(set(calls(forward))) == len(set(calls(backward))) == 1
+    block = getattr(forward, calls(forward)[0])
+    assert [kind for kind, _ in graph_collectives(block)] == ["all_gather"]
+    assert Counter(k for k, _ in graph_collectives(getattr(backward, calls(backward)[0]))) == {"all_gather": 1, "reduce_scatter": 1}
+    assert Counter(collectives(forward)) == Counter(eager_forward)
+    assert Counter(collectives(backward)) == Counter(eager_backward)
+
+
+@contextlib.contextmanager
+def _config(module, config):
+    before = module.CONFIG
+    module.CONFIG = config
+    try:
+        yield
+    finally:
+        module.CONFIG = before
+
+
+def test_fewer_blocks_than_regions_from_are_traced_inline():
+    few = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=65)
+    with fake_world(WORLD) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, config=few, mesh=mesh)
+        assert not any(b._shardkit_state.region for b in model.blocks)
+        region.REGIONS_FROM = 2
+        model = gpt(shardkit.compiled.fully_shard, config=few, mesh=mesh)
+        assert all(b._shardkit_state.region for b in model.blocks)
+
+
+def test_blocks_that_differ_get_a_subgraph_of_their_own():
+    """Blocks 0 and 1 with another n_head (a plain attribute: the same parameters, other code)
+    are another structure: with REGIONS_FROM=2 each structure has its subgraph (2 calls and 6),
+    with REGIONS_FROM=3 blocks 0 and 1 are traced inline and the other 6 share one."""
+
+    def edit(model):
+        for block in model.blocks[:2]:
+            block.attn.n_head = 4
+
+    for regions_from, uses in ((2, [2, CONFIG.n_layer - 2]), (3, [CONFIG.n_layer - 2])):
+        region.REGIONS_FROM = regions_from
+        with fake_world(WORLD) as mesh:
+            torch._dynamo.reset()
+            recording = Recording()
+            model = gpt(shardkit.compiled.fully_shard, edit=edit, mesh=mesh)
+            assert [b._shardkit_state.region for b in model.blocks[:3]] == [regions_from == 2] * 2 + [True]
+            step(torch.compile(model, fullgraph=True, backend=recording))
+        forward = recording.graphs["forward"][0]
+        assert sorted(Counter(calls(forward)).values()) == uses, calls(forward)
+
+
+def test_the_trace_records_a_regions_collectives_as_eager_modes():
+    """A region's collectives are recorded around its call (the trace op is not inside the
+    region): the same records as eager shardkit, forward's all-gathers and backward's
+    reduce-scatters, each done after it was issued."""
+    with fake_world(WORLD) as mesh:
+        torch._dynamo.reset()
+        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True, backend=Recording())
+        step(model)
+        with shardkit.trace() as compiled:
+            step(model)
+        eager_model = gpt(shardkit.fully_shard, mesh=mesh)
+        with shardkit.trace() as eager:
+            step(eager_model)
+    params = {state.name: len(state.group.params) for state in eager_model._shardkit().schedule.states}
+    presence = lambda e: WORLD * params[e.group] if e.kind == "reduce_scatter" else 0  # noqa: E731
+    describe = lambda e, extra=0: (e.kind, e.group, e.dtype, e.numel - extra, e.world, e.mesh_dim)  # noqa: E731
+    recomputed = Counter({describe(e) for e in eager.collectives("all_gather") if e.group != ""})
+    expected = Counter(describe(e, presence(e)) for e in eager.collectives()) - recomputed
+    assert Counter(describe(e) for e in compiled.collectives()) == expected
+    assert all(e.done_ns >= e.t for e in compiled.collectives())
+    order = [(e.kind, e.group) for e in compiled.collectives()]
+    blocks = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
+    assert [g for k, g in order if k == "all_gather" and g != ""] == blocks
+    assert [g for k, g in order if k == "reduce_scatter" and g != ""] == blocks[::-1]
+
+
+def test_peak_memory_with_regions_is_at_most_eager_shardkits():
+    """The region recomputes its all-gather in backward (reshard_after_forward): its unsharded
+    parameters are not saved across the region's boundary."""
+    from tests.fake.test_compiled_graphs import peak_mib
+    import tests.fake.test_compiled_graphs as graphs
+
+    with fake_world(WORLD) as mesh, _config(graphs, CONFIG):
+        compiled = peak_mib(mesh, "compiled", True)
+        assert graphs.gpt(shardkit.compiled.fully_shard, mesh=mesh).blocks[0]._shardkit_state.region
+        eager = peak_mib(mesh, "eager", True)
+        region.REGIONS_FROM = CONFIG.n_layer + 1
+        inline = peak_mib(mesh, "compiled", True)
+    assert compiled <= eager, (compiled, eager)
+    assert compiled <= inline * 1.05, (compiled, inline)
+
+
+def test_the_region_key_tells_apart_what_changes_the_code():
+    """(No compile.) Two blocks share a region only if the key says so: the same structure and
+    call give one id; another plain attribute (n_head), another parameter shape, another
+    setting (divide factor, sync), other input shapes or grad mode each give another."""
+    from shardkit.compiled.gather import Settings, gather_inputs
+
+    def key(block, settings=None, shape=(2, 16, 32), grad=True):
+        group = block._shardkit_state
+        settings = settings or Settings.of(group)
+        shards, unreduced = gather_inputs(group, settings.sync)
+        with torch.set_grad_enabled(grad):
+            return region._key(block, settings, shards, unreduced, torch.zeros(shape, requires_grad=True))
+
+    def wider(model):
+        model.blocks[1].attn.n_head = 4
+
+    with fake_world(WORLD) as mesh:
+        model = gpt(shardkit.compiled.fully_shard, edit=wider, mesh=mesh)
+        a, b, c = model.blocks[0], model.blocks[1], model.blocks[2]
+        assert region.structure(a) == region.structure(c) != region.structure(b)
+        base = Settings.of(a._shardkit_state)
+        assert key(a) == key(c) == key(a)
+        others = [key(b), key(a, base._replace(divide_by=3.0)), key(a, base._replace(sync=False)),
+                  key(a, base._replace(reshard=False)), key(a, shape=(2, 8, 32)), key(a, grad=False)]
+        assert len({key(a), *others}) == 1 + len(others)
+        other_config = GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=16, vocab_size=65)
+        assert region.structure(gpt(shardkit.compiled.fully_shard, config=other_config, mesh=mesh).blocks[0]) != region.structure(a)
