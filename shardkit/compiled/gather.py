@@ -21,16 +21,21 @@ class _GatherGraphBucket(torch.autograd.Function):
     """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
     the gradient in ``reduce_dtype`` (HSDP: then all-reduce it over the replicas), divided as
     eager mode divides it (``_divide_factors``: by ``divide_by``, fp16 partly before the sum),
-    in the shards' dtype."""
+    in the shards' dtype. HSDP without the all-reduce (``set_requires_all_reduce(False)``): the
+    reduce-scattered sums go to the ``partial`` leaf's gradient instead, undivided, and the next
+    backward with it adds them before its all-reduce, as eager mode."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, divide_by: float, sync: bool, traced: bool) -> torch.Tensor:
-        """``unreduced``: without ``sync``, the leaf that keeps the unsharded gradient
-        (``CompiledGroup.unreduced``); with it, what earlier backwards kept (added before the
-        reduce-scatter), or None. ``traced``: run the trace ops here (False inside a nested
+    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype,
+                reduce_dtype: torch.dtype, settings: "Settings", traced: bool) -> torch.Tensor:
+        """``unreduced``: without ``settings.sync``, the leaf that keeps the unsharded gradient
+        (``CompiledGroup.unreduced_leaf``); with it, what earlier backwards kept (added before the
+        reduce-scatter), or None. ``partial`` the same for the all-reduce (``settings.all_reduce``,
+        ``CompiledGroup.partial_leaf``). ``traced``: run the trace ops here (False inside a nested
         compile region, which records its collectives outside: region.py)."""
-        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.divide_by, ctx.sync, ctx.traced = group, reduce_dtype, flat.dtype, divide_by, sync, traced
-        ctx.save_for_backward(unreduced if sync else None)
+        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, reduce_dtype, flat.dtype, settings, traced
+        all_reduce = settings.all_reduce or group.replicate is None or group.replicate.world == 1
+        ctx.save_for_backward(unreduced if settings.sync else None, partial if all_reduce else None)
         shard = group.shard
         send = flat.to(param_dtype)
         if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
@@ -43,11 +48,12 @@ class _GatherGraphBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        group, shard, replicate = ctx.group, ctx.group.shard, ctx.group.replicate
-        if not ctx.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
-            return None, grad.to(ctx.reduce_dtype), None, None, None, None, None, None
-        (unreduced,) = ctx.saved_tensors
-        pre, post = _divide_factors(ctx.divide_by, ctx.reduce_dtype)
+        group, shard, replicate, settings = ctx.group, ctx.group.shard, ctx.group.replicate, ctx.settings
+        nones = (None,) * 5
+        if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
+            return None, grad.to(ctx.reduce_dtype), None, *nones
+        unreduced, partial = ctx.saved_tensors
+        pre, post = _divide_factors(settings.divide_by, ctx.reduce_dtype)
         grad = grad.to(ctx.reduce_dtype).contiguous()
         if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
             grad = unreduced + grad
@@ -56,14 +62,28 @@ class _GatherGraphBucket(torch.autograd.Function):
         reduced = grad
         if shard.world > 1:
             _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
-            reduced = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name)
-            reduced = torch.ops._c10d_functional.wait_tensor(reduced)  # (per_rank,)
+            reduced = _reduce_scatter(grad, shard)  # (per_rank,)
             _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
+        if replicate is not None and replicate.world > 1 and not settings.all_reduce:  # kept for the next all-reduce
+            return None, None, reduced, *nones
+        if partial is not None:  # as eager mode: this backward's sums, plus those kept
+            reduced = reduced + partial
         if replicate is not None and replicate.world > 1:
             _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
             reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
             _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
-        return (reduced / post).to(ctx.dtype), None, None, None, None, None, None, None
+        return (reduced / post).to(ctx.dtype), None, None, *nones
+
+
+def _reduce_scatter(grad: torch.Tensor, shard: Any) -> torch.Tensor:
+    """The summed rows of this rank. On gloo, whose reduce-scatter is slow, the bytes of one as
+    an all-to-all (chunk r to rank r) and the sum of the received chunks here, as eager mode
+    (docs/design.md, "On gloo, reduce-scatter is an all-to-all"): the same sum, in the same order."""
+    if shard.gloo:
+        splits = [grad.numel() // shard.world] * shard.world
+        chunks = torch.ops._c10d_functional.all_to_all_single(grad, splits, splits, shard.pg_name)
+        return torch.ops._c10d_functional.wait_tensor(chunks).view(shard.world, -1).sum(0)
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name))
 
 
 def _trace(traced: bool, x: torch.Tensor, kind: str, group: str, comm: Any, done: bool) -> None:
@@ -115,46 +135,52 @@ class Settings(NamedTuple):
     sync: bool  # set_requires_gradient_sync
     reshard: bool  # reshard after forward: backward gathers again
     divide_by: float
+    all_reduce: bool  # set_requires_all_reduce (HSDP)
 
     @staticmethod
     def of(group: CompiledGroup) -> "Settings":
         reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
-        return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by)
+        return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by, bool(group.requires_all_reduce))
 
 
-def gather_inputs(group: CompiledGroup, sync: bool) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
-    """The group's shards as the modules hold them now, and per bucket what ``unreduced``
-    ``_GatherGraphBucket`` takes."""
+def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """The group's shards as the modules hold them now, and what ``_GatherGraphBucket`` takes as
+    ``unreduced`` (per bucket) then as ``partial`` (per bucket): the kept sums or the leaves."""
     registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
     shards = tuple(param.to_local() for param in registered)
-    unreduced = tuple(group.take_unreduced(b) if sync else group.unreduced_leaf(b) for b in range(len(group.buckets)))
-    return shards, unreduced
+    buckets = range(len(group.buckets))
+    unreduced = tuple(group.take_unreduced(b) if settings.sync else group.unreduced_leaf(b) for b in buckets)
+    hsdp = group.replicate is not None and group.replicate.world > 1
+    partial = tuple(None if not hsdp or not settings.sync else group.take_partial(b) if settings.all_reduce else group.partial_leaf(b) for b in buckets)
+    return shards, unreduced + partial
 
 
 def gather(group: CompiledGroup) -> list[torch.Tensor]:
     """The group's unsharded parameters, from one all-gather per bucket (recomputed in backward
     when the group reshards after forward)."""
     settings = Settings.of(group)
-    return gathered(group, settings, *gather_inputs(group, settings.sync), traced=True)
+    return gathered(group, settings, *gather_inputs(group, settings), traced=True)
 
 
-def gathered(group: CompiledGroup, settings: Settings, shards: tuple, unreduced: tuple, traced: bool) -> list[torch.Tensor]:
-    """``gather`` from its inputs; ``traced``: with the trace ops (see ``_GatherGraphBucket``)."""
+def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple, traced: bool) -> list[torch.Tensor]:
+    """``gather`` from its inputs (``kept``: ``gather_inputs``'s second); ``traced``: with the
+    trace ops (see ``_GatherGraphBucket``)."""
 
     def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
-        shards, unreduced = inputs[: len(group.params)], inputs[len(group.params) :]
+        n, b = len(group.params), len(group.buckets)
+        shards, unreduced, partial = inputs[:n], inputs[n : n + b], inputs[n + b :]
         unsharded: list[Any] = [None] * len(shards)
         for b, bucket in enumerate(group.buckets):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherGraphBucket.apply(flat, unreduced[b], group, bucket.param_dtype, bucket.reduce_dtype, settings.divide_by, settings.sync, traced)
+            gathered = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], group, bucket.param_dtype, bucket.reduce_dtype, settings, traced)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded
 
     if settings.reshard and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute)
-        return checkpoint(run, *shards, *unreduced, use_reentrant=False, context_fn=context)
-    return run(*shards, *unreduced)
+        return checkpoint(run, *shards, *kept, use_reentrant=False, context_fn=context)
+    return run(*shards, *kept)
 
 
 def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.comm.collectives import backend_of
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.policies import MixedPrecisionPolicy
 
@@ -28,16 +29,19 @@ class GraphBucket:
 @dataclass(frozen=True)
 class GraphComm:
     """One mesh dim a group's collectives run over: its process group's name (what the
-    functional collectives take), its ranks and its name (for the trace)."""
+    functional collectives take), its ranks, its name (for the trace), and whether it is gloo
+    (whose reduce-scatter is slow: gather.py reduces with an all-to-all and a sum, as eager mode)."""
 
     pg_name: str
     world: int
     mesh_dim: str
+    gloo: bool = False
 
     @staticmethod
     def of(mesh: DeviceMesh, dim: int) -> "GraphComm":
         name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
-        return GraphComm(mesh.get_group(dim).group_name, mesh.size(dim), name)
+        pg = mesh.get_group(dim)
+        return GraphComm(pg.group_name, mesh.size(dim), name, backend_of(pg)[0])
 
 
 class CompiledGroup:
@@ -53,9 +57,11 @@ class CompiledGroup:
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
         self.requires_gradient_sync = True  # set_requires_gradient_sync
+        self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
         self.region = False  # its forward runs as a nested compile region (region.py)
         self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
+        self._partial: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its sums not all-reduced (HSDP)
         self.make_buckets()
 
     @property
@@ -67,21 +73,28 @@ class CompiledGroup:
         """Bucket ``b``'s leaf for backwards without sync: autograd sums their unsharded gradients
         (in reduce_dtype) into its ``.grad``. One element of memory, broadcast: the gradient is
         the only full-size tensor."""
-        if b not in self._unreduced:
+        return self._leaf(self._unreduced, b, sum(self.buckets[b].numels) * self.shard.world)
+
+    def partial_leaf(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s leaf for HSDP backwards without the all-reduce: autograd sums their
+        reduce-scattered gradients (this rank's rows, undivided, in reduce_dtype) into its ``.grad``."""
+        return self._leaf(self._partial, b, sum(self.buckets[b].numels))
+
+    def _leaf(self, leaves: dict[int, torch.Tensor], b: int, numel: int) -> torch.Tensor:
+        if b not in leaves:
             bucket, p = self.buckets[b], self.params[self.buckets[b].indices[0]]
-            numel = sum(bucket.numels) * self.shard.world
-            self._unreduced[b] = torch.zeros((), dtype=bucket.reduce_dtype, device=p.device).expand(numel).detach().requires_grad_()
-        return self._unreduced[b]
+            leaves[b] = torch.zeros((), dtype=bucket.reduce_dtype, device=p.device).expand(numel).detach().requires_grad_()
+        return leaves[b]
 
     def take_unreduced(self, b: int) -> torch.Tensor | None:
         """What backwards without sync kept for bucket ``b`` (None if nothing), forgotten here:
         the next backward adds it to its gradient before the reduce-scatter."""
-        leaf = self._unreduced.get(b)
-        if leaf is None or leaf.grad is None:
-            return None
-        kept = leaf.grad
-        leaf.grad = None
-        return kept
+        return _take(self._unreduced.get(b))
+
+    def take_partial(self, b: int) -> torch.Tensor | None:
+        """What HSDP backwards without the all-reduce kept for bucket ``b`` (None if nothing),
+        forgotten here: the next backward with it adds them before its all-reduce."""
+        return _take(self._partial.get(b))
 
     def nest_in(self, parent: "CompiledGroup") -> None:
         """A later ``fully_shard`` call on a module around ours: it is our parent."""
@@ -89,9 +102,10 @@ class CompiledGroup:
 
     def make_buckets(self) -> None:
         """The parameters by (dtype, param dtype, reduce dtype): one collective each."""
-        if any(leaf.grad is not None for leaf in self._unreduced.values()):
-            raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync; run a backward with set_requires_gradient_sync(True) before moving the model.")
-        self._unreduced = {}
+        if any(leaf.grad is not None for leaf in (*self._unreduced.values(), *self._partial.values())):
+            raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync or without the all-reduce; "
+                               "run a backward with set_requires_gradient_sync(True) and set_requires_all_reduce(True) before moving the model.")
+        self._unreduced, self._partial = {}, {}
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype)
@@ -101,3 +115,9 @@ class CompiledGroup:
         self.buckets = list(buckets.values())
 
 
+def _take(leaf: torch.Tensor | None) -> torch.Tensor | None:
+    if leaf is None or leaf.grad is None:
+        return None
+    kept = leaf.grad
+    leaf.grad = None
+    return kept

@@ -69,11 +69,24 @@ class CompiledFSDPModule(FSDPModule):
         """``False``: backward keeps the unsharded gradients (summed in ``reduce_dtype``, no
         communication; the sharded parameters get no gradient) and the next backward with it
         on adds them before its reduce-scatter, as FSDP2's gradient accumulation without sync.
-        Compiles one graph for ``False`` and one for the first backward after it."""
+        Compiles one graph for ``False`` and one for the first backward after it. Sets
+        ``set_requires_all_reduce`` to the same value, as FSDP2 does."""
         for group in _groups(self, recurse):
             group.requires_gradient_sync = bool(requires_gradient_sync)
             for b in range(len(group.buckets)) if not requires_gradient_sync else ():
                 group.unreduced_leaf(b)  # made here, outside any compiled region
+        self.set_requires_all_reduce(requires_gradient_sync, recurse=recurse)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False``: backward reduce-scatters but does not all-reduce over the replicas;
+        the sums (this rank's rows, undivided, in ``reduce_dtype``) are kept, the sharded
+        parameters get no gradient, and the next backward with it on adds them before its
+        all-reduce, as FSDP2. One graph for ``False``, one for the first backward after it.
+        Without a replicate dim it changes nothing (nothing is all-reduced)."""
+        for group in _groups(self, recurse):
+            group.requires_all_reduce = bool(requires_all_reduce)
+            for b in range(len(group.buckets)) if not requires_all_reduce and group.replicate is not None else ():
+                group.partial_leaf(b)  # made here, outside any compiled region
 
     # what one graph already does -------------------------------------------------------------
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -105,11 +118,6 @@ class CompiledFSDPModule(FSDPModule):
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
         _unavailable("set_modules_to_backward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """``True`` (the default): accepted. ``False`` (HSDP sums kept across microbatches) raises."""
-        if not requires_all_reduce:
-            _unavailable("set_requires_all_reduce(False)", "each backward graph all-reduces over the replicas")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2's private knob (torch's pipelining sets it): the graph never waits early."""

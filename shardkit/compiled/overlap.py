@@ -126,7 +126,8 @@ def _scheduler_ops(snodes: list[Any]) -> list[Op]:
                 continue  # inductor's order of the collectives: this pass gives its own, the same on every rank
             deps.add(j)
         ops.append(Op(deps=sorted(deps)))
-        for kind, op in ((GATHER, torch.ops._c10d_functional.all_gather_into_tensor.default), (SCATTER, torch.ops._c10d_functional.reduce_scatter_tensor.default)):
+        for kind, op in ((GATHER, torch.ops._c10d_functional.all_gather_into_tensor.default), (SCATTER, torch.ops._c10d_functional.reduce_scatter_tensor.default),
+                         (SCATTER, torch.ops._c10d_functional.all_to_all_single.default)):  # (gather.py's reduce-scatter on gloo)
             if is_collective(s.node, op=op) and _group_name(s.node) in GROUPS:
                 ops[i].kind = kind
         if is_wait(s.node):

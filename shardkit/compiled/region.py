@@ -42,20 +42,20 @@ from shardkit.compiled.group import CompiledGroup
 REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them as regions
 
 
-def _block(module: nn.Module, settings: Settings, shards: tuple, unreduced: tuple, *args: Any) -> Any:
+def _block(module: nn.Module, settings: Settings, shards: tuple, kept: tuple, *args: Any) -> Any:
     """The region: gather the group's parameters, run the module's own forward."""
     group: CompiledGroup = module.__dict__["_shardkit_state"]
-    group.gathered = gathered(group, settings, shards, unreduced, traced=False)
+    group.gathered = gathered(group, settings, shards, kept, traced=False)
     try:
         return type(module)._shardkit_plain_forward(module, *args)
     finally:
         group.gathered = None
 
 
-def _key(module: nn.Module, settings: Settings, shards: tuple, unreduced: tuple, *args: Any) -> int:
+def _key(module: nn.Module, settings: Settings, shards: tuple, kept: tuple, *args: Any) -> int:
     inputs = tuple((tuple(a.shape), tuple(a.stride()), str(a.dtype), a.requires_grad) if isinstance(a, torch.Tensor) else repr(a) for a in args)
-    kept = tuple(u is not None for u in unreduced)
-    return _region_id(module.__dict__["_shardkit_state"], (tuple(settings), kept, inputs, torch.is_grad_enabled()))
+    held = tuple(k is not None for k in kept)  # the kept sums (or leaves) the region takes
+    return _region_id(module.__dict__["_shardkit_state"], (tuple(settings), held, inputs, torch.is_grad_enabled()))
 
 
 _REGION_IDS: dict[tuple, int] = {}
@@ -130,11 +130,11 @@ def _no_buffer_reuse() -> None:
 def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
     """The module's forward as a region call, with its collectives traced around it."""
     settings = Settings.of(group)
-    shards, unreduced = gather_inputs(group, settings.sync)
-    if torch.is_grad_enabled() and settings.sync and group.shard.world > 1:
-        shards = _TraceReductions.apply(group, *shards)
+    shards, kept = gather_inputs(group, settings)
+    if torch.is_grad_enabled():
+        shards = _Reductions.apply(group, settings, *shards)
     _trace_gathers(group, shards[0], done=False)
-    output = _region(module, settings, shards, unreduced, *args)
+    output = _region(module, settings, shards, kept, *args)
     _trace_gathers(group, shards[0], done=True)
     return output
 
@@ -145,22 +145,30 @@ def _trace_gathers(group: CompiledGroup, x: torch.Tensor, done: bool) -> None:
             torch.ops.shardkit.trace_collective(x, "all_gather", group.name, group.shard.world, group.shard.mesh_dim, done, sum(bucket.numels), bucket.param_dtype)
 
 
-class _TraceReductions(torch.autograd.Function):
-    """The identity on a region's shards; its backward runs when the region's backward has
-    reduced their gradients, and records those reductions."""
+class _Reductions(torch.autograd.Function):
+    """The identity on a region's shards. Its backward runs when the region's backward has
+    reduced their gradients: it records those reductions, and where the region reduced none
+    (``set_requires_gradient_sync(False)``, HSDP's ``set_requires_all_reduce(False)``: the sums
+    are kept, eager mode's ``.grad`` stays None) it gives the shards None, not the zeros a
+    region's backward gives for an input without a gradient."""
 
     @staticmethod
-    def forward(ctx: Any, group: CompiledGroup, *shards: torch.Tensor) -> tuple:
-        ctx.group = group
+    def forward(ctx: Any, group: CompiledGroup, settings: Settings, *shards: torch.Tensor) -> tuple:
+        ctx.group, ctx.settings = group, settings
         return tuple(s.view_as(s) for s in shards)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        group, x = ctx.group, next((g for g in grads if g is not None), None)
+        group, settings, x = ctx.group, ctx.settings, next((g for g in grads if g is not None), None)
+        hsdp = group.replicate is not None and group.replicate.world > 1
+        if not settings.sync or hsdp and not settings.all_reduce:
+            grads = (None,) * len(grads)
+            x = x if settings.sync else None  # (the reduce-scatter without the all-reduce is traced)
         for bucket in group.buckets if x is not None else ():
             numel = sum(bucket.numels) * group.shard.world
-            for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", group.replicate, sum(bucket.numels))):
+            replicate = group.replicate if settings.all_reduce else None
+            for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", replicate, sum(bucket.numels))):
                 if comm is not None and comm.world > 1:
                     for done in (False, True):
                         torch.ops.shardkit.trace_collective(x, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)
-        return (None, *grads)
+        return (None, None, *grads)

@@ -79,7 +79,7 @@ def test_what_compiled_mode_cannot_do_raises_naming_the_method(method):
             getattr(model, method)(*RAISING[method])
 
 
-@pytest.mark.parametrize("call", ["set_reshard_after_backward(False)", "set_requires_all_reduce(False)"])
+@pytest.mark.parametrize("call", ["set_reshard_after_backward(False)"])
 def test_settings_compiled_mode_cannot_take_raise_naming_them(call):
     with fake_world(8) as mesh:
         model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
@@ -144,6 +144,43 @@ def test_hsdp_gathers_over_shard_and_all_reduces_over_replicate_as_eager():
     assert Counter(map(describe, compiled.collectives("all_gather"))) == Counter(map(describe, eager.collectives("all_gather")))
     assert {e.world for e in compiled.collectives("all_gather")} == {4}
     assert [(e.kind, e.world, e.mesh_dim) for e in compiled.collectives("all_reduce")] == [("all_reduce", 2, "replicate")] * 3
+
+
+def test_hsdp_without_the_all_reduce_keeps_the_sums_for_the_next_backward():
+    """set_requires_all_reduce(False) on a (replicate 2, shard 4) mesh: the backward graph
+    reduce-scatters each group and all-reduces none, the sharded parameters get no gradient and
+    each bucket's partial leaf holds this rank's rows; back to True, the next backward graph
+    all-reduces each group once and takes the kept sums (one more graph each way, then none)."""
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        torch._dynamo.reset()
+        recording = Recording()
+        sharded = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        model = torch.compile(sharded, fullgraph=True, backend=recording)
+        groups = shardkit.compiled.module._groups(sharded, True)
+
+        def step() -> Counter:
+            before = len(recording.graphs["backward"])
+            model(*batch())[1].backward()
+            return Counter(kind for gm in recording.graphs["backward"][before:] for kind, _ in _collectives(gm))
+
+        sharded.set_requires_all_reduce(False)
+        assert step() == Counter(all_gather=2, reduce_scatter=3)
+        assert all(p.grad is None for p in sharded.parameters())
+        leaves = [g._partial[b] for g in groups for b in range(len(g.buckets))]
+        assert [leaf.grad.shape[0] for leaf in leaves] == [sum(g.buckets[b].numels) for g in groups for b in range(len(g.buckets))]
+        assert step() == Counter()  # the same graph again: the sums add up in the leaves
+        sharded.set_requires_all_reduce(True)
+        assert step() == Counter(all_gather=2, reduce_scatter=3, all_reduce=3)
+        assert all(leaf.grad is None for leaf in leaves) and all(p.grad is not None for p in sharded.parameters())
+        assert step() == Counter(all_gather=2, reduce_scatter=3, all_reduce=3)  # nothing kept: the first graph's kind
+        assert recording.dynamo_graphs == 3
+
+
+def _collectives(gm) -> list[tuple[str, int]]:
+    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+    return [(kinds[n.target.__name__.split(".")[0]], 0) for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in kinds]
 
 
 def test_register_fsdp_forward_method_gathers_around_the_method():

@@ -183,9 +183,9 @@ def test_the_region_key_tells_apart_what_changes_the_code():
     def key(block, settings=None, shape=(2, 16, 32), grad=True):
         group = block._shardkit_state
         settings = settings or Settings.of(group)
-        shards, unreduced = gather_inputs(group, settings.sync)
+        shards, kept = gather_inputs(group, settings)
         with torch.set_grad_enabled(grad):
-            return region._key(block, settings, shards, unreduced, torch.zeros(shape, requires_grad=True))
+            return region._key(block, settings, shards, kept, torch.zeros(shape, requires_grad=True))
 
     def wider(model):
         model.blocks[1].attn.n_head = 4

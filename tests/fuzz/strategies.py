@@ -101,7 +101,7 @@ COMPILED_KNOBS = {  # the settings compiled mode takes, and the values it takes 
     "is_last_backward": st.booleans(),
     "force_sum_reduction_for_comms": st.booleans(),
     "requires_gradient_sync": st.booleans(),
-    "requires_all_reduce": st.just(True),
+    "requires_all_reduce": st.booleans(),
     "reshard_after_backward": st.just(True),
 }
 

@@ -81,6 +81,35 @@ def inductor_with_its_overlap_trains_like_the_unsharded_model(mesh, impl):
     assert overlap.REORDERED[0] > before  # the pass ran on the graphs and moved collectives
 
 
+@checks("shardkit", sim=False)
+def on_gloo_the_reduce_scatter_is_an_all_to_all_and_a_sum(mesh, impl):
+    """gloo's reduce-scatter is slow: each group's gradients travel in one functional
+    all_to_all_single (a reduce-scatter's bytes) and are summed here, as eager mode does; the
+    gradients are the unsharded model's."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name.startswith("_c10d_functional::") and name != "_c10d_functional::wait_tensor":
+                self.ops[name.split("::")[1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    p = Parity.build(small_gpt, shard("compiled", mesh), mesh, "compiled", loss_of=gpt_loss)
+    with Seen() as seen:
+        p.forward_backward(gpt_batches(1)[0])
+    groups = 1 + len(p.model.blocks)
+    assert seen.ops["all_to_all_single"] == groups and seen.ops["all_gather_into_tensor"] >= groups, seen.ops
+    assert set(seen.ops) == {"all_gather_into_tensor", "all_to_all_single"}, seen.ops  # no reduce_scatter_tensor
+    p.assert_grads_match()
+
+
 @contextlib.contextmanager
 def regions():
     """Every block compiled as a nested compile region (region.py; by default only models with

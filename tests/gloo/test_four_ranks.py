@@ -6,6 +6,8 @@
   (replicate, shard) mesh, match the reference.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -84,6 +86,39 @@ def compiled_mode_with_hsdp_2x2_matches_reference_and_eager_bit_for_bit(mesh, im
         p.assert_params_match()
         runs[mode] = p
     assert_same_bits(runs["compiled"], runs["eager"], "HSDP 2x2")
+
+
+@checks("shardkit", sim=False)
+def compiled_hsdp_accumulation_without_the_all_reduce_matches_eager_bit_for_bit(mesh, impl):
+    """HSDP 2x2, three microbatches a step with set_requires_all_reduce(False) on the first two
+    (reduce-scattered, the sums kept, all-reduced with the third's), two steps: compiled mode
+    (aot_eager; and its blocks as nested compile regions) gives eager shardkit's bits, and the
+    reference's summed gradients before each step."""
+    import shardkit.compiled
+    from test_composition import mesh_2d
+    from test_compiled_mode import assert_same_bits, regions
+
+    hsdp_mesh, runs = mesh_2d(2, 2), {}
+    for mode, fully_shard, as_regions in (("eager", shardkit.fully_shard, False), ("compiled", shardkit.compiled.fully_shard, False),
+                                          ("regions", shardkit.compiled.fully_shard, True)):
+        torch._dynamo.reset()
+        with regions() if as_regions else contextlib.nullcontext():
+            p = Parity.build(small_gpt, lambda model: apply_fully_shard(model, fully_shard, mesh=hsdp_mesh), mesh, "compiled", loss_of=gpt_loss)
+            sharded = p.model
+            if mode != "eager":
+                p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
+                assert all(b._shardkit_state.region is as_regions for b in sharded.blocks)
+            for step in range(2):
+                for i, batch in enumerate(gpt_batches(3, seed=30 + step)):
+                    sharded.set_requires_all_reduce(i == 2)
+                    p.forward_backward(batch)
+                    if i < 2:
+                        assert [n for n, q in sharded.named_parameters() if q.grad is not None] == [], (mode, step, i)  # nothing all-reduced yet
+                p.assert_grads_match()
+                p.optimizer_step()
+        runs[mode] = p
+    assert_same_bits(runs["compiled"], runs["eager"], "HSDP 2x2 without the all-reduce")
+    assert_same_bits(runs["regions"], runs["eager"], "HSDP 2x2 without the all-reduce, regions")
 
 
 @checks()
