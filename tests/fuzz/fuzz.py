@@ -68,6 +68,10 @@ def fake_tier(seed: int, seconds: float, examples: int = 200) -> str | None:
 def replay(path: str) -> int:
     from tests.fuzz.sequences import from_json
 
+    if path.endswith(".jsonl"):  # gloo examples, one a line, replayed in one run of the ranks (gloo_fuzz.replay)
+        result, tails = spawn_gloo({"FUZZ_REPLAY": str(Path(path).resolve())}, timeout_s=1800)
+        print(tails if result is None else f"FAILED: {result['failure']}" if result.get("failure") else "passed")
+        return 1 if result is None or result.get("failure") else 0
     world, spec, commands = from_json(Path(path).read_text())
     if json.loads(Path(path).read_text()).get("tier") == "fake" or world != 2:
         from tests.fuzz.test_fake_fuzz import run_example

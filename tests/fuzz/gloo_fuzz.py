@@ -107,9 +107,14 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
         spec = data.draw(strategies.specs(WORLD), label="spec")
         commands = data.draw(strategies.sequences(compiled=spec.compiled_mode), label="commands")
         stats["examples"] += 1
-        running(repro).write_text(to_json(spec, commands, world=WORLD) + "\n")  # left behind if the ranks die
+        if not stats.get("broke"):  # the example that broke the ranks stays (hypothesis's retries then fail at once)
+            running(repro).write_text(to_json(spec, commands, world=WORLD) + "\n")  # left behind if the ranks die
         _send((spec, commands))
-        problem = run_example(spec, commands, meshes, stats=stats)
+        try:
+            problem = run_example(spec, commands, meshes, stats=stats)
+        except RuntimeError:  # a collective timed out: the ranks disagree on what runs
+            stats["broke"] = True
+            raise
         if problem is not None:
             if stats["first_failure_at"] is None:
                 stats["first_failure_at"] = stats["examples"]
@@ -158,6 +163,17 @@ def _rounds(check, stats: dict, seed: int, examples: int, seconds: float, repro:
 
 
 def replay(meshes: dict, path: str) -> str | None:
+    """One example (a repro file), or (a ``.jsonl`` file, one example a line) many in one process,
+    in order, as a fuzzing run left them: for what only a run of examples brings out."""
+    if path.endswith(".jsonl"):
+        for i, line in enumerate(Path(path).read_text().splitlines()):
+            world, spec, commands = from_json(line)
+            if dist.get_rank() == 0:
+                print(f"replaying {path}:{i + 1}: {spec}", flush=True)
+            problem = run_example(spec, commands, meshes)
+            if problem is not None:
+                return f"example {i + 1}: {problem}"
+        return None
     world, spec, commands = from_json(Path(path).read_text())
     if dist.get_rank() == 0:
         print(f"replaying {path}: world {world}, {spec}", flush=True)

@@ -280,9 +280,20 @@ class Collectives(TorchDispatchMode):
             # bf16 on a backend that averages, as the fake one) or with SUM and a division (others)
             averaged = args[1] == "sum" and args[0].dtype in (torch.float32, torch.bfloat16)
             self.seen.append(("reduce_scatter", "avg" if averaged else args[1]))
+        elif name == "_c10d_functional::all_to_all_single":  # compiled mode's reduce-scatter on gloo, summed after
+            averaged = args[0].dtype in (torch.float32, torch.bfloat16)  # (as reduce_scatter_tensor's "sum" above)
+            self.seen.append(("reduce_scatter", "avg" if averaged else "sum"))
         elif name == "_c10d_functional::all_reduce":  # compiled mode's HSDP (input, op, group_name)
             self.seen.append(("all_reduce", args[1]))
         return func(*args, **kwargs)
+
+
+def _fsdp2_unsharded(model: nn.Module) -> bool:
+    """Whether a group of torch's FSDP2 holds (or is gathering) its unsharded parameters now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return any(g is not None and (g.is_unsharded or g._all_gather_result is not None) for g in groups)  # (or its all-gather pending)
 
 
 def _group_size(script_group) -> int:
@@ -710,6 +721,12 @@ class Run:
         if dry:
             return self.grads_complete()
         if side is not None:
+            if side.impl == "torch" and _fsdp2_unsharded(side.model):
+                # make fuzz seed 513 (reshard_after_backward(False) on a block, steps): FSDP2's next
+                # forward skips the all-gather and runs on the weights from before the step (fp32:
+                # its loss 0.0045 off the reference; bf16 hid it); shardkit gathers again.
+                side.alive, side.why_out = False, "an optimizer step while unsharded: FSDP2's next forward uses the weights from before it"
+                return True
             side.muon_expected = torch_muon_step(side.optim.muon) if self.numerics and side.optim.muon else []
             side.optim.step()
             side.optim.zero_grad()
@@ -836,6 +853,12 @@ class Run:
         if dry:
             return self.idle() and not (self.spec.mp and self.loaded_scale * scale > 1.0)
         if side is not None:
+            if side.impl == "torch" and _fsdp2_unsharded(side.model):
+                # make fuzz seed 418 (unshard(async_op=True), load, train): FSDP2's next forward
+                # runs on the unsharded weights from before the load (fp32: its loss 0.00427 off
+                # the reference; bf16 hid it in the tolerance); shardkit reshards on load.
+                side.alive, side.why_out = False, "load_state_dict while unsharded: FSDP2 keeps the weights from before the load"
+                return True
             sd = {}
             for name, value in self.reference.state_dict().items():
                 p = side.params[name] if name in side.params else side.params[_tied_name(name, side.params)]
