@@ -71,8 +71,9 @@ test-fast: $(STAMP)
 # them (their output after), so that both lanes take about as long. Not rerun under sim:
 # test_pretrained_four_ranks.py (reading and writing shards puts nothing on a stream; the 2-rank
 # module trains a transformers model, and is).
-COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py tests/fake/test_compiled_methods.py \
-	tests/fake/test_compiled_regions.py
+# (regions and methods run in the main lane, for balance; like the others, not under sim)
+COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py
+COMPILED_FAKE_MAIN_LANE = tests/fake/test_compiled_methods.py tests/fake/test_compiled_regions.py
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py $(COMPILED_FAKE_TESTS)
 SIM_TESTS = tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
@@ -95,7 +96,7 @@ test-all: $(STAMP)
 # (Not the compiled mode's fake-PG tests: torch.compile does not trace under the checker's dispatch mode; not
 # tests/unit: plain tensors and no process group, so no stream to check.)
 test-sim: $(STAMP)
-	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) $(COMPILED_FAKE_TESTS:%=--ignore=%)
+	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) $(COMPILED_FAKE_TESTS:%=--ignore=%) $(COMPILED_FAKE_MAIN_LANE:%=--ignore=%)
 
 # The differential fuzzer for FUZZ_S seconds (a third on the fake process group, the rest on 2
 # gloo ranks); prints its seed (rerun one with FUZZ_SEED=N) and shrinks a failure to a repro

@@ -18,7 +18,8 @@ from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard
 from tests.conftest import fake_world
 from tests.fake.test_compiled_graphs import WORLD, Recording, graph_collectives
 
-CONFIG = GPTConfig(n_layer=region.REGIONS_FROM, n_embd=32, n_head=2, block_size=16, vocab_size=65)
+CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=65)
+REGIONS_FROM = 4  # here, for short compiles (the default is 8): these 4 blocks are regions
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +28,7 @@ def _restore():
     from torch._inductor import config
 
     reuse, regions_from = config.allow_buffer_reuse, region.REGIONS_FROM
+    region.REGIONS_FROM = REGIONS_FROM
     yield
     config.allow_buffer_reuse, region.REGIONS_FROM = reuse, regions_from
 
@@ -60,7 +62,7 @@ def step(model):
 
 
 def test_repeated_blocks_compile_once_with_eager_modes_collectives():
-    """REGIONS_FROM blocks of one structure: each block is one call of ONE forward subgraph and
+    """REGIONS_FROM (here 4) blocks of one structure: each block is one call of ONE forward subgraph and
     ONE backward subgraph, which hold the block's all-gather (backward: the all-gather again,
     reshard_after_forward, and the reduce-scatter); the root gathers in the outer graph. The
     collectives and their bytes are eager shardkit's, and three more steps compile nothing."""
@@ -112,21 +114,21 @@ def test_fewer_blocks_than_regions_from_are_traced_inline():
 
 
 def test_blocks_that_differ_get_a_subgraph_of_their_own():
-    """Blocks 0 and 1 with another n_head (a plain attribute: the same parameters, other code)
-    are another structure: with REGIONS_FROM=2 each structure has its subgraph (2 calls and 6),
-    with REGIONS_FROM=3 blocks 0 and 1 are traced inline and the other 6 share one."""
+    """Blocks with another n_head (a plain attribute: the same parameters, other code) are
+    another structure. REGIONS_FROM=2: blocks 0 and 1 edited, each structure has its subgraph
+    (2 calls and 2); block 0 alone edited, it is traced inline and the other 3 share one."""
+    region.REGIONS_FROM = 2
+    for edited, uses in ((2, [2, 2]), (1, [3])):
 
-    def edit(model):
-        for block in model.blocks[:2]:
-            block.attn.n_head = 4
+        def edit(model):
+            for block in model.blocks[:edited]:
+                block.attn.n_head = 4
 
-    for regions_from, uses in ((2, [2, CONFIG.n_layer - 2]), (3, [CONFIG.n_layer - 2])):
-        region.REGIONS_FROM = regions_from
         with fake_world(WORLD) as mesh:
             torch._dynamo.reset()
             recording = Recording()
             model = gpt(shardkit.compiled.fully_shard, edit=edit, mesh=mesh)
-            assert [b._shardkit_state.region for b in model.blocks[:3]] == [regions_from == 2] * 2 + [True]
+            assert [b._shardkit_state.region for b in model.blocks[:3]] == [edited == 2] * edited + [True] * (3 - edited)
             step(torch.compile(model, fullgraph=True, backend=recording))
         forward = recording.graphs["forward"][0]
         assert sorted(Counter(calls(forward)).values()) == uses, calls(forward)
