@@ -34,8 +34,7 @@ class _GatherGraphBucket(torch.autograd.Function):
         ``CompiledGroup.partial_leaf``). ``traced``: run the trace ops here (False inside a nested
         compile region, which records its collectives outside: region.py)."""
         ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, reduce_dtype, flat.dtype, settings, traced
-        all_reduce = settings.all_reduce or group.replicate is None or group.replicate.world == 1
-        ctx.save_for_backward(unreduced if settings.sync else None, partial if all_reduce else None)
+        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None)  # (else: the leaves)
         shard = group.shard
         send = flat.to(param_dtype)
         if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
@@ -64,11 +63,11 @@ class _GatherGraphBucket(torch.autograd.Function):
             _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
             reduced = _reduce_scatter(grad, shard)  # (per_rank,)
             _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
-        if replicate is not None and replicate.world > 1 and not settings.all_reduce:  # kept for the next all-reduce
+        if group.all_reduces and not settings.all_reduce:  # kept for the next all-reduce
             return None, None, reduced, *nones
         if partial is not None:  # as eager mode: this backward's sums, plus those kept
             reduced = reduced + partial
-        if replicate is not None and replicate.world > 1:
+        if group.all_reduces:
             _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
             reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
             _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
@@ -150,8 +149,7 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
     shards = tuple(param.to_local() for param in registered)
     buckets = range(len(group.buckets))
     unreduced = tuple(group.take_unreduced(b) if settings.sync else group.unreduced_leaf(b) for b in buckets)
-    hsdp = group.replicate is not None and group.replicate.world > 1
-    partial = tuple(None if not hsdp or not settings.sync else group.take_partial(b) if settings.all_reduce else group.partial_leaf(b) for b in buckets)
+    partial = tuple(None if not group.all_reduces or not settings.sync else group.take_partial(b) if settings.all_reduce else group.partial_leaf(b) for b in buckets)
     return shards, unreduced + partial
 
 

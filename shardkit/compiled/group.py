@@ -65,6 +65,11 @@ class CompiledGroup:
         self.make_buckets()
 
     @property
+    def all_reduces(self) -> bool:
+        """HSDP with more than one replica: the reduced gradients are all-reduced over them."""
+        return self.replicate is not None and self.replicate.world > 1
+
+    @property
     def divide_by(self) -> float:
         """What the summed gradients are divided by: the data-parallel ranks, or the user's factor."""
         return self.divide_factor if self.divide_factor is not None else float(self.mesh.size())

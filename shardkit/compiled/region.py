@@ -160,8 +160,7 @@ class _Reductions(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         group, settings, x = ctx.group, ctx.settings, next((g for g in grads if g is not None), None)
-        hsdp = group.replicate is not None and group.replicate.world > 1
-        if not settings.sync or hsdp and not settings.all_reduce:
+        if not settings.sync or group.all_reduces and not settings.all_reduce:
             grads = (None,) * len(grads)
             x = x if settings.sync else None  # (the reduce-scatter without the all-reduce is traced)
         for bucket in group.buckets if x is not None else ():

@@ -59,7 +59,7 @@ MUTANTS = {
                                  "data a forward gave its parameter is never refilled: later steps compute with stale weights"),
     "compiled-grad-divisor": ("shardkit/compiled/gather.py", "return (reduced / post).to(ctx.dtype), None, None, *nones", "return (reduced / (post * 2)).to(ctx.dtype), None, None, *nones",
                               "compiled mode divides its reduced gradients by twice the ranks"),
-    "compiled-hsdp-no-all-reduce": ("shardkit/compiled/gather.py", "if replicate is not None and replicate.world > 1:", "if False:",
+    "compiled-hsdp-no-all-reduce": ("shardkit/compiled/gather.py", "if group.all_reduces:", "if False:",
                                     "compiled mode's HSDP never all-reduces its gradients over the replicas"),
     "overlap-no-prefetch": ("shardkit/compiled/overlap.py", "place[g] = min(place[g], place[wait_of[previous]] + 0.25)", "place[g] = place[g]",
                             "the overlap pass never issues an all-gather ahead of its group"),
