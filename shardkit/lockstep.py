@@ -16,7 +16,8 @@ run now and free it again; reduce a group it has no gradients for, with zeros). 
 forward or backward is over keeps agreeing (token ``DONE``) until every rank is. So the ranks
 issue the same collectives in the same order, whatever each runs.
 
-The price: one small blocking all-gather per collective, and no prefetching. Reductions stay
+The price: one small blocking all-gather per collective, no prefetching, and each round's
+reductions finished before the next token (their issue order must not depend on timing). Reductions stay
 correct whatever the order: each reduce-scatter takes the gradient accumulated so far and
 sums over ranks, so a group reduced twice (once for each rank's backward) gets the sum of
 both parts.
@@ -76,6 +77,11 @@ class Lockstep(Direct):
                     super().reduce(*own)
                 else:
                     self._stand_in_reduce(state)
+            # Every reduction finishes within its round: when it completes is a matter of timing,
+            # and an HSDP all-reduce started "once the reduce-scatter is done" would land
+            # before the next token on one rank and after it on another, on the same process
+            # group where the replicate dim spans the world (torch then uses the default group).
+            self.schedule.reducing.finish_all()
         finally:
             self._acting = False
         return all(t == DONE for t in tokens)

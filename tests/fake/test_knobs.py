@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardkit
 from shardkit import FSDPModule, fully_shard
@@ -299,6 +300,36 @@ def test_set_lockstep_after_the_first_forward_switches_the_schedule_between_step
     assert len(locked.collectives("all_gather")) == len(free.collectives("all_gather")) == 7
     assert calls(locked, "all_gather") == calls(free, "all_gather")
     assert calls(t, "reduce_scatter") == {"": 1, "blocks.0": 1, "blocks.1": 1, "blocks.2": 1}
+
+
+def test_set_lockstep_on_hsdp_issues_the_same_collectives_whenever_reduce_scatters_complete(monkeypatch):
+    """A (2, 1) HSDP mesh: the replicate dim spans the world, so torch gives it the default
+    group, where the lockstep tokens go too. An HSDP all-reduce starts once its reduce-scatter
+    is done: if that landed before the next token on one rank and after it on another, the two
+    would meet a different collective (make fuzz: lockstep-hsdp-hang.json hung). The order seen
+    on the default group must not depend on when the reduce-scatters complete."""
+    import shardkit.lockstep as lockstep_module
+    from shardkit.comm import streams
+
+    order: list[str] = []
+    all_reduce, token = torch.distributed.all_reduce, lockstep_module._all_gather_single
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: (order.append("all_reduce"), all_reduce(*a, **k))[1])
+    monkeypatch.setattr(lockstep_module, "_all_gather_single", lambda *a, **k: (order.append("token"), token(*a, **k))[1])
+    poll = streams.Streams.poll
+    seen = {}
+    for complete in (True, False):  # every reduce-scatter done when asked, or none until waited for
+        monkeypatch.setattr(streams.Streams, "poll", poll if complete else lambda self, handle: False)
+        with fake_world(2):
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+            assert mesh.get_group(0) is torch.distributed.group.WORLD
+            net = sharded(mesh)
+            net.set_lockstep(True)
+            order.clear()
+            first_step(net)
+            first_step(net)
+            seen[complete] = list(order)
+    assert seen[True].count("all_reduce") == 8  # 4 groups, 2 steps
+    assert seen[True] == seen[False]
 
 
 def reduce_ops_and_divisions(net: nn.Module, monkeypatch, build_step) -> tuple[set, set]:
