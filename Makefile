@@ -61,33 +61,37 @@ PYTEST = OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not subprocess and not slow" --forbid-subprocess tests
 
-# Every test, and the fake-process-group and gloo parity tiers once more with
+# Every test, and the fake-process-group tier and the 2-rank gloo parity modules once more with
 # SHARDKIT_STREAMS=sim (test-sim): shardkit takes its CUDA path on simulated streams, and every
 # tensor access is checked for races (shardkit/comm/sim.py); each gloo module must leave
-# accesses checked and no race ("sim streams: N accesses checked, ..."). Two lanes at once, as
-# gloo ranks wait on each other much of the time and one lane alone leaves a core idle: the
-# tests but the side lane's here, test-sim then the side lane's (the torchrun ones: tests/examples,
-# the pipelining check; the compiled mode's checks, whose torch.compile runs are long) beside
-# them (their output after), so that both lanes take about as long. Not rerun under sim:
-# test_pretrained_four_ranks.py (reading and writing shards puts nothing on a stream; the 2-rank
-# module trains a transformers model, and is).
-# (regions and methods run in the main lane, for balance; like the others, not under sim)
-COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py
-COMPILED_FAKE_MAIN_LANE = tests/fake/test_compiled_methods.py tests/fake/test_compiled_regions.py
-SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py tests/gloo/test_compiled_mode.py $(COMPILED_FAKE_TESTS)
+# accesses checked and no race ("sim streams: N accesses checked, ..."). Three lanes at once
+# (gloo ranks wait on each other and on start-up, and one lane alone leaves a core idle; the
+# cores are busy with three, a fourth lane made it slower): the tests that are none of the
+# others' (unit, fake process group with the compiled mode's, fuzzer, planner, checkpoints); the
+# gloo modules; test-sim then the side lane's (the torchrun ones: tests/examples, the pipelining
+# check). Their output after the first's. Not rerun under sim: the 4-rank gloo modules (what
+# they add, HSDP 2x2 and 4-rank meshes, the fake-PG tier checks under sim; 4 ranks cost twice
+# the CPU), test_pretrained*.py (a transformers model; reading and writing shards puts nothing
+# on a stream), the compiled mode's tests (torch.compile does not trace under the checker's
+# dispatch mode).
+COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py \
+	tests/fake/test_compiled_methods.py tests/fake/test_compiled_regions.py
+SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py
+GLOO_LANE = tests/gloo $(SIDE_LANE_TESTS:%=--ignore=%)
+MAIN_LANE = tests --ignore=tests/gloo $(SIDE_LANE_TESTS:%=--ignore=%)
 SIM_TESTS = tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
-	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py tests/gloo/test_four_ranks.py \
-	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py \
-	tests/gloo/test_muon.py tests/gloo/test_muon_four_ranks.py tests/gloo/test_clip_four_ranks.py tests/gloo/test_pretrained.py
+	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py \
+	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py tests/gloo/test_muon.py
 
 test: $(STAMP)
-	@log=$$(mktemp); \
+	@logs=$$(mktemp -d); \
 	( $(MAKE) --no-print-directory test-sim; sim=$$?; echo "$(PYTEST) $(SIDE_LANE_TESTS)"; $(PYTEST) $(SIDE_LANE_TESTS); \
-	  examples=$$?; exit $$(( sim || examples )) ) > $$log 2>&1 & side=$$!; \
-	echo "$(PYTEST) tests $(SIDE_LANE_TESTS:%=--ignore=%)  (beside it: make test-sim, then $(SIDE_LANE_TESTS))"; \
-	$(PYTEST) tests $(SIDE_LANE_TESTS:%=--ignore=%); main=$$?; \
-	wait $$side; side_rc=$$?; cat $$log; rm -f $$log; \
-	test $$main = 0 && test $$side_rc = 0
+	  side=$$?; exit $$(( sim || side )) ) > $$logs/side 2>&1 & side=$$!; \
+	( echo "$(PYTEST) $(GLOO_LANE)"; $(PYTEST) $(GLOO_LANE) ) > $$logs/gloo 2>&1 & gloo=$$!; \
+	echo "$(PYTEST) $(MAIN_LANE)  (beside it, their output after: $(GLOO_LANE); make test-sim, then $(SIDE_LANE_TESTS))"; \
+	$(PYTEST) $(MAIN_LANE); rc=$$?; \
+	for lane in gloo:$$gloo side:$$side; do wait $${lane#*:} || rc=1; cat $$logs/$${lane%%:*}; done; \
+	rm -rf $$logs; exit $$rc
 
 # Every test in one run (make test but for test-sim, and one lane).
 test-all: $(STAMP)
@@ -96,7 +100,7 @@ test-all: $(STAMP)
 # (Not the compiled mode's fake-PG tests: torch.compile does not trace under the checker's dispatch mode; not
 # tests/unit: plain tensors and no process group, so no stream to check.)
 test-sim: $(STAMP)
-	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) $(COMPILED_FAKE_TESTS:%=--ignore=%) $(COMPILED_FAKE_MAIN_LANE:%=--ignore=%)
+	SHARDKIT_STREAMS=sim $(PYTEST) $(SIM_TESTS) $(COMPILED_FAKE_TESTS:%=--ignore=%)
 
 # The differential fuzzer for FUZZ_S seconds (a third on the fake process group, the rest on 2
 # gloo ranks); prints its seed (rerun one with FUZZ_SEED=N) and shrinks a failure to a repro

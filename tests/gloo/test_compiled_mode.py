@@ -1,59 +1,25 @@
 """shardkit.compiled on 2 gloo ranks: the demo GPT trained against the unsharded model and
 against eager shardkit, compiled (fullgraph, aot_eager); mixed precision; checkpoints across
-the two modes. (Peak memory: tests/fake/test_compiled_graphs.py.) (The mode run without torch.compile is
+the two modes. (Peak memory: tests/fake/test_compiled_graphs.py; blocks as compile regions:
+test_compiled_mode_regions.py.) (The mode run without torch.compile is
 in the fuzzer's call sequences, tests/fuzz, against the unsharded model.)
 
 aot_eager runs AOTAutograd's graphs (with the min-cut partitioner inductor uses) op by op, so
 compiled and eager runs of the same step give the same bits.
 """
 
-import contextlib
 import tempfile
 
 import pytest
 import torch
 
-import shardkit
 import shardkit.checkpoint
-import shardkit.compiled
+from compiled_parity import STEPS, assert_same_bits, shard, train
 from gloo_harness import Checks, run_worker
-from gloo_parity import Parity, full, gpt_batches, gpt_loss, small_gpt
+from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
 from shardkit.policies import MixedPrecisionPolicy
 
 checks = Checks()
-STEPS = 3
-MODES = {"compiled": shardkit.compiled.fully_shard, "eager": shardkit.fully_shard}
-
-
-def shard(mode: str, mesh, **kwargs):
-    def apply(model):
-        for block in model.blocks:
-            MODES[mode](block, mesh=mesh, **kwargs)
-        MODES[mode](model, mesh=mesh, **kwargs)
-
-    return apply
-
-
-def train(mesh, mode: str, backend=None, check=True, **kwargs) -> tuple[Parity, list[torch.Tensor]]:
-    """3 AdamW steps of the small GPT (``check``: its gradients and losses against the
-    unsharded model at each, ``Parity``); the losses, for the other mode to compare."""
-    torch._dynamo.reset()
-    p = Parity.build(small_gpt, shard(mode, mesh, **kwargs), mesh, "compiled", loss_of=gpt_loss)
-    if backend is not None:
-        p.model = torch.compile(p.model, backend=backend, fullgraph=True)
-    if check:
-        return p, [step.loss for step in p.train(gpt_batches(STEPS))]
-    losses = []
-    for batch in gpt_batches(STEPS):
-        losses.append(p.forward_backward(batch).loss)
-        assert all(param.grad.dtype == param.dtype for param in p.model.parameters())  # fp32 grads of fp32 shards
-        p.optimizer_step()
-    return p, losses
-
-
-def assert_same_bits(a: Parity, b: Parity, what: str) -> None:
-    for (name, x), y in zip(a.model.named_parameters(), b.model.parameters()):
-        assert torch.equal(full(x.detach()), full(y.detach())), f"{what}: parameter {name} differs"
 
 
 @checks("shardkit", sim=False)
@@ -108,54 +74,6 @@ def on_gloo_the_reduce_scatter_is_an_all_to_all_and_a_sum(mesh, impl):
     assert seen.ops["all_to_all_single"] == groups and seen.ops["all_gather_into_tensor"] >= groups, seen.ops
     assert set(seen.ops) == {"all_gather_into_tensor", "all_to_all_single"}, seen.ops  # no reduce_scatter_tensor
     p.assert_grads_match()
-
-
-@contextlib.contextmanager
-def regions():
-    """Every block compiled as a nested compile region (region.py; by default only models with
-    REGIONS_FROM blocks of one structure are)."""
-    import torch._inductor.config
-    from shardkit.compiled import region
-
-    before, region.REGIONS_FROM = region.REGIONS_FROM, 1
-    reuse = torch._inductor.config.allow_buffer_reuse  # fully_shard turns it off for regions
-    try:
-        yield
-    finally:
-        region.REGIONS_FROM, torch._inductor.config.allow_buffer_reuse = before, reuse
-
-
-@checks("shardkit", sim=False)
-def blocks_as_regions_match_eager_shardkit_bit_for_bit(mesh, impl):
-    """The blocks as one nested compile region (its subgraph called once per block): aot_eager
-    gives eager shardkit's bits, with the default settings and then with a divide factor, no
-    reshard after forward and accumulation without sync; inductor (whose CPU code for a region
-    called twice gave wrong gradients with buffer reuse on) the unsharded model's numbers."""
-    eager, eager_losses = train(mesh, "eager")
-    with regions():
-        compiled, losses = train(mesh, "compiled", "aot_eager")
-        blocks = [b._shardkit_state for b in compiled.model._orig_mod.blocks]
-        assert [g.region for g in blocks] == [True, True]
-        assert losses == eager_losses and [torch.equal(c, e) for c, e in zip(losses, eager_losses)] == [True] * STEPS
-        assert_same_bits(compiled, eager, "regions, aot_eager")
-        inductor, _ = train(mesh, "compiled", "inductor")
-        inductor.assert_params_match()
-        runs = {}
-        for mode, backend in (("eager", None), ("compiled", "aot_eager")):
-            torch._dynamo.reset()
-            p = Parity.build(small_gpt, shard(mode, mesh), mesh, "compiled", loss_of=gpt_loss)
-            sharded = p.model
-            sharded.blocks[1].set_gradient_divide_factor(3.0)  # one block only: the regions' key tells them apart
-            sharded.set_reshard_after_forward(False)
-            if backend is not None:
-                p.model = torch.compile(p.model, backend=backend, fullgraph=True)
-            for step in range(2):
-                for i, batch in enumerate(gpt_batches(2, seed=20 + step)):
-                    sharded.set_requires_gradient_sync(i == 1)
-                    p.forward_backward(batch)
-                p.optimizer_step()
-            runs[mode] = p
-        assert_same_bits(runs["compiled"], runs["eager"], "regions: divide factor 3 on one block, no reshard, accumulation")
 
 
 @checks("shardkit", sim=False)

@@ -74,7 +74,7 @@ def compiled_mode_with_hsdp_2x2_matches_reference_and_eager_bit_for_bit(mesh, im
     replicate, as eager mode: the same bits as eager shardkit's HSDP, and the reference's numbers."""
     import shardkit.compiled
     from test_composition import mesh_2d
-    from test_compiled_mode import assert_same_bits
+    from compiled_parity import assert_same_bits
 
     hsdp_mesh, runs = mesh_2d(2, 2), {}
     for mode, fully_shard in (("eager", shardkit.fully_shard), ("compiled", shardkit.compiled.fully_shard)):
@@ -96,7 +96,7 @@ def compiled_hsdp_accumulation_without_the_all_reduce_matches_eager_bit_for_bit(
     reference's summed gradients before each step."""
     import shardkit.compiled
     from test_composition import mesh_2d
-    from test_compiled_mode import assert_same_bits, regions
+    from compiled_parity import assert_same_bits, regions
 
     hsdp_mesh, runs = mesh_2d(2, 2), {}
     for mode, fully_shard, as_regions in (("eager", shardkit.fully_shard, False), ("compiled", shardkit.compiled.fully_shard, False),

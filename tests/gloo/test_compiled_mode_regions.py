@@ -1,0 +1,55 @@
+"""shardkit.compiled on 2 gloo ranks with its repeated blocks as nested compile regions
+(shardkit/compiled/region.py): eager shardkit's bits with aot_eager, the unsharded model's
+numbers with inductor. (Graphs, keys and memory on the fake process group:
+tests/fake/test_compiled_regions.py.)"""
+
+import pytest
+import torch
+
+from compiled_parity import STEPS, assert_same_bits, regions, shard, train
+from gloo_harness import Checks, run_worker
+from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
+
+checks = Checks()
+
+
+@checks("shardkit", sim=False)
+def blocks_as_regions_match_eager_shardkit_bit_for_bit(mesh, impl):
+    """The blocks as one nested compile region (its subgraph called once per block): aot_eager
+    gives eager shardkit's bits, with the default settings and then with a divide factor, no
+    reshard after forward and accumulation without sync; inductor (whose CPU code for a region
+    called twice gave wrong gradients with buffer reuse on) the unsharded model's numbers."""
+    eager, eager_losses = train(mesh, "eager")
+    with regions():
+        compiled, losses = train(mesh, "compiled", "aot_eager")
+        blocks = [b._shardkit_state for b in compiled.model._orig_mod.blocks]
+        assert [g.region for g in blocks] == [True, True]
+        assert losses == eager_losses and [torch.equal(c, e) for c, e in zip(losses, eager_losses)] == [True] * STEPS
+        assert_same_bits(compiled, eager, "regions, aot_eager")
+        inductor, _ = train(mesh, "compiled", "inductor")
+        inductor.assert_params_match()
+        runs = {}
+        for mode, backend in (("eager", None), ("compiled", "aot_eager")):
+            torch._dynamo.reset()
+            p = Parity.build(small_gpt, shard(mode, mesh), mesh, "compiled", loss_of=gpt_loss)
+            sharded = p.model
+            sharded.blocks[1].set_gradient_divide_factor(3.0)  # one block only: the regions' key tells them apart
+            sharded.set_reshard_after_forward(False)
+            if backend is not None:
+                p.model = torch.compile(p.model, backend=backend, fullgraph=True)
+            for step in range(2):
+                for i, batch in enumerate(gpt_batches(2, seed=20 + step)):
+                    sharded.set_requires_gradient_sync(i == 1)
+                    p.forward_backward(batch)
+                p.optimizer_step()
+            runs[mode] = p
+        assert_same_bits(runs["compiled"], runs["eager"], "regions: divide factor 3 on one block, no reshard, accumulation")
+
+
+@pytest.mark.parametrize("case", checks.cases(), ids=str)
+def test_compiled_regions_on_two_ranks(gloo_outcomes, case):
+    gloo_outcomes.assert_passed(case)
+
+
+if __name__ == "__main__":
+    run_worker(checks)
