@@ -13,7 +13,7 @@ from tests.fuzz import strategies
 from tests.fuzz.meshes import make_meshes
 from tests.fuzz.sequences import Run, to_json
 
-EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("FUZZ_FAKE_EXAMPLES", "150"))
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
 REPRO = os.environ.get("FUZZ_REPRO_FAKE", "fuzz-repro-fake.json")
 

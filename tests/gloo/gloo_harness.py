@@ -170,6 +170,7 @@ def _run_plan(out_dir: Path, init_file: str, steps: list[tuple[str, Callable[[],
             checks, cases = None, []
         in_step = True
         for case in cases:
+            case_start = time.monotonic()
             # A fresh process group per check: a collective left unmatched by a failing check
             # cannot pair with the next check's, and only times out on its own group.
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
@@ -180,6 +181,7 @@ def _run_plan(out_dir: Path, init_file: str, steps: list[tuple[str, Callable[[],
             except Exception:
                 module["outcomes"][str(case)] = traceback.format_exc()
             module["seconds"] = time.monotonic() - start
+            module.setdefault("case_seconds", {})[str(case)] = time.monotonic() - case_start
             _write_json(path, report)
             in_step = _ranks_in_step(f"{module_file}::{case}", world)
             if not in_step:
@@ -272,6 +274,7 @@ class Outcomes:
     sim_problems: list[str | None] = field(default_factory=list)
     seconds: float | None = None  # the module's time in the ranks
     error: str | None = None  # why the module did not import in the ranks
+    case_seconds: dict[str, float] = field(default_factory=dict)  # each case's time on rank 0
 
     def assert_passed(self, case: Case) -> None:
         problems = []
@@ -365,7 +368,8 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
             sim_problems = [_sim_problem(b, a, m.get("sim"), m.get("narrowed", False)) for b, a, m in zip(sim_before, after, mine)]
             sim_before = [a or b for a, b in zip(after, sim_before)]
         seconds = max((m.get("seconds") or 0.0 for m in mine if m), default=None)
-        batch.outcomes[f] = Outcomes(per_rank, tails, timed_out and not done, sim_problems, seconds, error)
+        case_seconds = dict(mine[0].get("case_seconds", {})) if mine[0] else {}
+        batch.outcomes[f] = Outcomes(per_rank, tails, timed_out and not done, sim_problems, seconds, error, case_seconds=case_seconds)
         if not done:
             break  # the ranks stopped in this module: the ones after it never ran
     return batch

@@ -104,40 +104,33 @@ def fsdp_module_settings_match_eager_shardkit_bit_for_bit(mesh, impl):
 
 
 @checks("shardkit", sim=False)
-def gradient_accumulation_without_sync_matches_eager_shardkit_bit_for_bit(mesh, impl):
-    """Two microbatches with set_requires_gradient_sync(False), then one with it on, then the
-    optimizer step, twice: the same bits as eager shardkit (the kept unsharded gradients summed
-    in reduce_dtype, added before the one reduce-scatter), and the unsharded model's numbers
-    for the sum of the three losses (fp32 and bf16 parameters with fp32 reduction)."""
+def mixed_precision_and_accumulation_without_sync_match_eager_shardkit_bit_for_bit(mesh, impl):
+    """A plain step (one batch), then two microbatches with set_requires_gradient_sync(False)
+    and one with it on: the same losses and bits as eager shardkit (the
+    same casts; the kept unsharded gradients summed in reduce_dtype, added before the one
+    reduce-scatter), and the unsharded model's numbers for the summed gradients (fp32; and bf16
+    parameters with fp32 reduction, gradients in the shards' fp32)."""
     for policy in (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
-        runs = {}
+        runs, losses = {}, {}
         for mode, backend in (("eager", None), ("compiled", "aot_eager")):
             torch._dynamo.reset()
             p = Parity.build(small_gpt, shard(mode, mesh, mp_policy=policy), mesh, "compiled", loss_of=gpt_loss)
             run = p.model if backend is None else torch.compile(p.model, backend=backend, fullgraph=True)
-            sharded, p.model = p.model, run
-            for step in range(2):
-                for i, batch in enumerate(gpt_batches(3, seed=10 + step)):
-                    sharded.set_requires_gradient_sync(i == 2)
-                    p.forward_backward(batch)
-                    if i < 2:
+            sharded, p.model, losses[mode] = p.model, run, []
+            for step, microbatches in enumerate((1, 3)):
+                for i, batch in enumerate(gpt_batches(microbatches, seed=10 + step)):
+                    sharded.set_requires_gradient_sync(i == microbatches - 1)
+                    losses[mode].append(p.forward_backward(batch).loss)
+                    if i < microbatches - 1:
                         assert all(q.grad is None for q in sharded.parameters())  # nothing reduced yet
+                assert all(q.grad.dtype == q.dtype for q in sharded.parameters())  # fp32 grads of fp32 shards
                 if policy.param_dtype is None:
                     p.assert_grads_match()  # against the unsharded model's summed gradients
                 p.optimizer_step()
             runs[mode] = p
-        assert_same_bits(runs["compiled"], runs["eager"], f"accumulation without sync, {policy.param_dtype}")
-
-
-@checks("shardkit", sim=False)
-def mixed_precision_matches_eager_shardkit(mesh, impl):
-    """bf16 parameters, fp32 reduction: the same casts as eager mode, so the same bits."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    eager, eager_losses = train(mesh, "eager", check=False, mp_policy=policy)
-    for backend in ("aot_eager",):
-        compiled, losses = train(mesh, "compiled", backend, check=False, mp_policy=policy)
-        assert [torch.equal(c, e) for c, e in zip(losses, eager_losses)] == [True] * STEPS, (backend, losses, eager_losses)
-        assert_same_bits(compiled, eager, f"bf16, {backend}")
+        what = f"{policy.param_dtype}: plain steps and accumulation without sync"
+        assert [torch.equal(c, e) for c, e in zip(losses["compiled"], losses["eager"])] == [True] * 4, (what, losses)
+        assert_same_bits(runs["compiled"], runs["eager"], what)
 
 
 @checks("shardkit", sim=False)
