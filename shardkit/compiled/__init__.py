@@ -33,9 +33,15 @@ The trace (``shardkit.trace()``) records each collective where the graph issues 
 its wait returns, through an ordered-effect op (``shardkit::trace_collective``); the all-gathers
 the partitioner recomputes in backward are not recorded (it does not recompute effectful ops).
 
+A weight tied across two ``fully_shard`` calls (the token embedding in the root, the output
+head in a call of its own) belongs to the first call's group; the other gathers it too, in a
+bucket of its own (one more all-gather and reduce-scatter) reduced with the owner's settings,
+and autograd adds the two reduced gradients in its shard (eager mode keeps the owner's group
+unsharded instead: more bytes here, the same gradient up to rounding). Both calls shard over
+one mesh.
+
 Not in this mode (they raise): ``shard_placement_fn``, CPU offload, an int
-``reshard_after_forward``, weights tied across two ``fully_shard`` calls, tensor subclasses
-with FSDP2's all-gather hooks.
+``reshard_after_forward``, tensor subclasses with FSDP2's all-gather hooks.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from shardkit.compiled import overlap, region
 from shardkit.compiled.gather import gather
 from shardkit.compiled.group import CompiledGroup
 from shardkit.compiled.module import CompiledFSDPModule
+from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
+from shardkit.module import accept_full_tensors
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.state import class_name, state_of
 from shardkit.tensors import cast_inputs, cast_output
@@ -82,16 +90,20 @@ def fully_shard(
     for inner in found.nested:
         if not isinstance(inner, CompiledGroup):
             raise ValueError(f"shardkit: {class_name(inner.modules[0])} was sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
-    if found.borrowed:
-        names = [slot.name for more in found.borrowed.values() for slot in more]
-        raise NotImplementedError(f"shardkit.compiled: parameters {names} are tied to a parameter of another fully_shard call; shard them in one call.")
+    borrowed = _borrowed(found)
     # Every parameter gathers in param_dtype here: this mode has never applied param_dtype_override_fn.
     options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
     sharded = api.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
-    group = CompiledGroup(modules, list(sharded.values()), dp_mesh, reshard_after_forward, mp_policy)
+    own = list(sharded.values())
+    owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
+    group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard_after_forward, mp_policy, owners)
+    _check_owners(group, borrowed)
     overlap.GROUPS.add(group.shard.pg_name)
-    api.register_sharded(group, sharded, found)
-    _install(group)
+    api.register_sharded(group, sharded, dataclasses.replace(found, borrowed={}))
+    for p, _, slots in borrowed:
+        p.add_slots(slots, unsharded=False)
+    accept_full_tensors([(slot, p) for p, _, slots in borrowed for slot in slots])
+    _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
     inner_groups = []
     for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
         inner = state_of(m)
@@ -114,12 +126,33 @@ def _unsupported(reshard_after_forward: Any, shard_placement_fn: Any, offload_po
         raise NotImplementedError(f"shardkit.compiled.fully_shard does not take {why}; use shardkit.fully_shard (eager) for it.")
 
 
-def _install(group: CompiledGroup) -> None:
+def _borrowed(found: api.Found) -> list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]:
+    """Weights tied to a parameter an earlier call sharded (the embedding and the output head
+    in two calls): this group gathers them too, in its own all-gather, and its reduce-scatter
+    gives their shards a gradient that autograd adds to the owner's."""
+    for (p, owner), slots in found.borrowed.items():
+        if not isinstance(owner, CompiledGroup):
+            names = ", ".join(f"'{slot.name}' of {class_name(slot.module)}" for slot in slots)
+            raise ValueError(f"shardkit: parameter {names} is tied to one sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
+    return [(p, owner, slots) for (p, owner), slots in found.borrowed.items()]
+
+
+def _check_owners(group: CompiledGroup, borrowed: list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]) -> None:
+    """A tied weight is gathered from its owner's shards: both calls must shard over one mesh."""
+    for _, owner, slots in borrowed:
+        if (owner.shard, owner.replicate) != (group.shard, group.replicate):
+            names = ", ".join(f"'{slot.name}' of {class_name(slot.module)}" for slot in slots)
+            raise ValueError(f"shardkit.compiled: parameter {names} is tied to one of {class_name(owner.modules[0])}, sharded over another mesh; "
+                             "shard both over one mesh, or both weights in one call.")
+
+
+def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None:
     """Each module holding the group's parameters reads them through class properties (the
-    gathered tensors during the group's forward); the group's own modules gather in forward."""
+    gathered tensors during the group's forward); the group's own modules gather in forward.
+    A borrowed parameter (``borrowed``: by index) only where this group registers it."""
     by_module: dict[nn.Module, dict[str, int]] = {}
     for i, p in enumerate(group.params):
-        for slot in p.slots:
+        for slot in borrowed.get(i, p.slots):
             by_module.setdefault(slot.module, {})[slot.name] = i
     for m in group.modules:
         by_module.setdefault(m, {})

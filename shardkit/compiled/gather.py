@@ -141,15 +141,20 @@ class Settings(NamedTuple):
         reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
         return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by, bool(group.requires_all_reduce))
 
+    def per_bucket(self, group: CompiledGroup) -> list["Settings"]:
+        """Each bucket's: a bucket of weights tied to an earlier call's is reduced with that
+        call's settings (sync, divide factor, all-reduce), as eager mode reduces them there."""
+        return [self if b.owner is None else Settings.of(b.owner)._replace(reshard=self.reshard) for b in group.buckets]
+
 
 def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """The group's shards as the modules hold them now, and what ``_GatherGraphBucket`` takes as
     ``unreduced`` (per bucket) then as ``partial`` (per bucket): the kept sums or the leaves."""
     registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
     shards = tuple(param.to_local() for param in registered)
-    buckets = range(len(group.buckets))
-    unreduced = tuple(group.take_unreduced(b) if settings.sync else group.unreduced_leaf(b) for b in buckets)
-    partial = tuple(None if not group.all_reduces or not settings.sync else group.take_partial(b) if settings.all_reduce else group.partial_leaf(b) for b in buckets)
+    buckets = list(enumerate(settings.per_bucket(group)))
+    unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
+    partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
     return shards, unreduced + partial
 
 
@@ -168,9 +173,9 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         n, b = len(group.params), len(group.buckets)
         shards, unreduced, partial = inputs[:n], inputs[n : n + b], inputs[n + b :]
         unsharded: list[Any] = [None] * len(shards)
-        for b, bucket in enumerate(group.buckets):
+        for b, (bucket, s) in enumerate(zip(group.buckets, settings.per_bucket(group))):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], group, bucket.param_dtype, bucket.reduce_dtype, settings, traced)
+            gathered = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], group, bucket.param_dtype, bucket.reduce_dtype, s, traced)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded

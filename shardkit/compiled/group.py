@@ -24,6 +24,7 @@ class GraphBucket:
     dtype: torch.dtype
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    owner: "CompiledGroup | None" = None  # weights tied to an earlier call's: reduced with its settings
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,11 @@ class CompiledGroup:
     """One ``fully_shard`` call in compiled mode: its parameters (a ``ShardedParam`` each, for
     the layout), where the modules register them, and the gathered tensors while its forward runs."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None,
+                 mp_policy: MixedPrecisionPolicy, owners: dict[int, "CompiledGroup"] | None = None) -> None:
+        """``owners``: the parameters (by index) that are weights tied to an earlier call's, and that call's group."""
         self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy  # mesh: 1-D, or 2-D (replicate, shard)
+        self.owners = owners or {}
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
         self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
         self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
@@ -106,14 +110,14 @@ class CompiledGroup:
         self.parent = parent
 
     def make_buckets(self) -> None:
-        """The parameters by (dtype, param dtype, reduce dtype): one collective each."""
+        """The parameters by (dtype, param dtype, reduce dtype, owner): one collective each."""
         if any(leaf.grad is not None for leaf in (*self._unreduced.values(), *self._partial.values())):
             raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync or without the all-reduce; "
                                "run a backward with set_requires_gradient_sync(True) and set_requires_all_reduce(True) before moving the model.")
         self._unreduced, self._partial = {}, {}
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
-            key = (p.dtype, p.param_dtype, p.reduce_dtype)
+            key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i))
             bucket = buckets.setdefault(key, GraphBucket([], [], *key))
             bucket.indices.append(i)
             bucket.numels.append(p.shard_numel)

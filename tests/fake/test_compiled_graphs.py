@@ -163,6 +163,49 @@ def test_one_mode_per_model():
             shardkit.compiled.fully_shard(model[0], mesh=mesh)
 
 
+def test_a_weight_tied_across_calls_is_gathered_by_both_in_a_bucket_of_its_own():
+    """The head in a call of its own, its weight the token embedding's (the root's call comes
+    later): the root gathers and reduce-scatters it in a second bucket, reduced with the
+    head's settings (gloo numerics: tests/gloo/test_compiled_mode.py); still one graph each way.
+    Tied to an eager-mode call, or sharded over another mesh: a clear error."""
+    def tied(fully_shard, mesh, head_mesh=None):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**CONFIG.__dict__, "tie_weights": True}))
+        for block in model.blocks:
+            shardkit.compiled.fully_shard(block, mesh=mesh)
+        fully_shard(model.head, mesh=head_mesh or mesh)
+        return model
+
+    with fake_world(WORLD) as mesh:
+        torch._dynamo.reset()
+        model = tied(shardkit.compiled.fully_shard, mesh)
+        shardkit.compiled.fully_shard(model, mesh=mesh)
+        root, head = model._shardkit_state, model.head._shardkit_state
+        assert model.head.weight is model.tok_emb.weight and isinstance(model.head.weight, DTensor)
+        assert [(b.indices, b.owner) for b in root.buckets] == [([0, 1, 2], None), ([3], head)]
+        recording = Recording()
+        _, loss = torch.compile(model, fullgraph=True, backend=recording)(*batch())
+        loss.backward()
+        assert [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
+        emb = model.tok_emb.weight
+        emb_bytes = WORLD * emb.to_local().numel() * emb.element_size()  # its padded shards (65 rows: 9 a rank)
+        # The head's and the root's all-gathers of the one shard are the same op on the same
+        # input: AOTAutograd's CSE may keep one (torch 2.13 does). Each reduce-scatters it.
+        forward, backward = Counter(recording.collectives("forward")), Counter(recording.collectives("backward"))
+        assert forward[("all_gather", emb_bytes)] in (1, 2) and sum(forward.values()) == 3 + forward[("all_gather", emb_bytes)], forward
+        assert backward[("reduce_scatter", emb_bytes)] == 2 and Counter(k for k, _ in recording.collectives("backward"))["reduce_scatter"] == 5, backward
+        assert emb.grad is not None and emb.grad.placements == emb.placements
+
+        model = tied(shardkit.fully_shard, mesh)
+        with pytest.raises(ValueError, match="Linear was sharded by shardkit.fully_shard \\(eager\\); use one mode"):
+            shardkit.compiled.fully_shard(model, mesh=mesh)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = tied(shardkit.compiled.fully_shard, mesh, head_mesh=init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")))
+        with pytest.raises(ValueError, match="'weight' of Embedding is tied to one of Linear, sharded over another mesh"):
+            shardkit.compiled.fully_shard(model, mesh=mesh)
+
+
 def test_the_trace_and_timeline_show_the_compiled_graphs_collectives_as_eager_modes():
     """The compiled graph runs a trace op where each collective is issued and done: the trace
     holds the same collectives (kind, group, dtype, elements, ranks) as eager shardkit's, each

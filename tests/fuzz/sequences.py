@@ -241,8 +241,9 @@ def sharded_params(module: nn.Module) -> list[nn.Parameter]:
     from shardkit.compiled import CompiledGroup
 
     state = module.__dict__["_shardkit_state"]
-    group = state if isinstance(state, CompiledGroup) else state.group
-    return [p.sharded_param for p in group.params] if group else []
+    if isinstance(state, CompiledGroup):  # (not the weights tied to an earlier call's, which it gathers too)
+        return [p.sharded_param for i, p in enumerate(state.params) if i not in state.owners]
+    return [p.sharded_param for p in state.group.params] if state.group else []
 
 
 # Seeing the collectives ----------------------------------------------------------------------

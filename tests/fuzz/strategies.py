@@ -20,7 +20,7 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
     tied across groups), for the tier that only compares with FSDP2. One in five shards
     shardkit's side in compiled mode, with only what that mode takes: a bool
-    reshard_after_forward, no weights tied across groups, no mesh of a parameter's own, and no
+    reshard_after_forward, no mesh of a parameter's own, and no
     unused Linear (it gets a zero gradient there, which AdamW's weight decay then applies,
     where the unsharded model's stays None); half of those run the blocks as nested compile
     regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
@@ -34,7 +34,7 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
         blocks=draw(st.sampled_from([2, 3])),
         nested=draw(st.booleans()),
         mixed=False if fsdp2_only else draw(st.booleans()),
-        tied=draw(st.sampled_from(["none", "same"] if fsdp2_only or compiled else ["none", "same", "across"])),
+        tied=draw(st.sampled_from(["none", "same"] if fsdp2_only else ["none", "same", "across"])),
         mp=draw(st.booleans()),
         reshard=reshard,
         mesh=mesh,
