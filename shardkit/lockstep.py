@@ -17,10 +17,10 @@ forward or backward is over keeps agreeing (token ``DONE``) until every rank is.
 issue the same collectives in the same order, whatever each runs.
 
 The price: one small blocking all-gather per collective, no prefetching, and each round's
-reductions finished before the next token (their issue order must not depend on timing). Reductions stay
-correct whatever the order: each reduce-scatter takes the gradient accumulated so far and
-sums over ranks, so a group reduced twice (once for each rank's backward) gets the sum of
-both parts.
+reductions finished before the next token (their issue order must not depend on timing).
+Reductions stay correct whatever the order: each reduce-scatter takes the gradient
+accumulated so far and sums over ranks, so a group reduced twice (once for each rank's
+backward) gets the sum of both parts.
 """
 
 from __future__ import annotations

@@ -132,8 +132,7 @@ def _borrowed(found: api.Found) -> list[tuple[ShardedParam, CompiledGroup, list[
     gives their shards a gradient that autograd adds to the owner's."""
     for (p, owner), slots in found.borrowed.items():
         if not isinstance(owner, CompiledGroup):
-            names = ", ".join(f"'{slot.name}' of {class_name(slot.module)}" for slot in slots)
-            raise ValueError(f"shardkit: parameter {names} is tied to one sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
+            raise ValueError(f"shardkit: parameter {_names(slots)} is tied to one sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
     return [(p, owner, slots) for (p, owner), slots in found.borrowed.items()]
 
 
@@ -141,9 +140,12 @@ def _check_owners(group: CompiledGroup, borrowed: list[tuple[ShardedParam, Compi
     """A tied weight is gathered from its owner's shards: both calls must shard over one mesh."""
     for _, owner, slots in borrowed:
         if (owner.shard, owner.replicate) != (group.shard, group.replicate):
-            names = ", ".join(f"'{slot.name}' of {class_name(slot.module)}" for slot in slots)
-            raise ValueError(f"shardkit.compiled: parameter {names} is tied to one of {class_name(owner.modules[0])}, sharded over another mesh; "
+            raise ValueError(f"shardkit.compiled: parameter {_names(slots)} is tied to one of {class_name(owner.modules[0])}, sharded over another mesh; "
                              "shard both over one mesh, or both weights in one call.")
+
+
+def _names(slots: list[ParamSlot]) -> str:
+    return ", ".join(f"'{slot.name}' of {class_name(slot.module)}" for slot in slots)
 
 
 def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None:
