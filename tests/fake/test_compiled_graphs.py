@@ -195,6 +195,12 @@ def test_a_weight_tied_across_calls_is_gathered_by_both_in_a_bucket_of_its_own()
         assert forward[("all_gather", emb_bytes)] in (1, 2) and sum(forward.values()) == 3 + forward[("all_gather", emb_bytes)], forward
         assert backward[("reduce_scatter", emb_bytes)] == 2 and Counter(k for k, _ in recording.collectives("backward"))["reduce_scatter"] == 5, backward
         assert emb.grad is not None and emb.grad.placements == emb.placements
+        from shardkit.compiled.gather import Settings
+
+        model.head.set_gradient_divide_factor(3.0)
+        model.head.set_requires_gradient_sync(False)
+        own, tied_bucket = Settings.of(root).per_bucket(root)  # the tied weight's bucket takes the head's settings
+        assert (own.divide_by, own.sync, tied_bucket.divide_by, tied_bucket.sync) == (WORLD, True, 3.0, False)
 
         model = tied(shardkit.fully_shard, mesh)
         with pytest.raises(ValueError, match="Linear was sharded by shardkit.fully_shard \\(eager\\); use one mode"):
