@@ -166,7 +166,7 @@ def test_one_mode_per_model():
 def test_a_weight_tied_across_calls_is_gathered_by_both_in_a_bucket_of_its_own():
     """The head in a call of its own, its weight the token embedding's (the root's call comes
     later): the root gathers and reduce-scatters it in a second bucket, reduced with the
-    head's settings (gloo numerics: tests/gloo/test_compiled_mode.py); still one graph each way.
+    head's settings (gloo numerics: tests/gloo/test_compiled_mode_tied.py); still one graph each way.
     Tied to an eager-mode call, or sharded over another mesh: a clear error."""
     def tied(fully_shard, mesh, head_mesh=None):
         torch.manual_seed(0)

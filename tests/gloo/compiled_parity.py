@@ -1,4 +1,4 @@
-"""What tests/gloo/test_compiled_mode.py and test_compiled_mode_regions.py share: the small GPT
+"""What tests/gloo/test_compiled_mode.py, test_compiled_mode_regions.py and test_compiled_mode_tied.py share: the small GPT
 sharded in either mode, trained against the unsharded model, and compared bit for bit; every
 block as a compile region (``regions``)."""
 

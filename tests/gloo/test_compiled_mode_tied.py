@@ -1,0 +1,84 @@
+"""shardkit.compiled on 2 gloo ranks: a weight tied across two fully_shard calls, and a
+checkpoint saved in one mode loaded in the other. (A module of its own: test_compiled_mode.py
+compiles enough to come near the harness's per-module time limit under load.)"""
+
+import tempfile
+
+import pytest
+import torch
+
+import shardkit.checkpoint
+from compiled_parity import MODES, assert_same_bits, shard
+from gloo_harness import Checks, run_worker
+from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
+
+checks = Checks()
+
+
+@checks("shardkit", sim=False)
+def a_weight_tied_across_calls_trains_like_the_unsharded_model_and_eager_shardkit(mesh, impl):
+    """The output head in a fully_shard call of its own, its weight the token embedding's (the
+    root's, a later call): the root gathers it too, in a bucket of its own reduced with the
+    head's settings, as eager mode reduces it in the head's group. Two plain steps: the unsharded
+    model's gradients and parameters (compiled, aot_eager); then, the mode run without
+    torch.compile, a divide factor on the head alone and accumulation without sync: eager
+    shardkit's parameters (the same sums added in another order: close, not the same bits)."""
+    from gloo_parity import assert_close, full
+
+    def tied(mode):
+        def apply(model):
+            for block in model.blocks:
+                MODES[mode](block, mesh=mesh)
+            MODES[mode](model.head, mesh=mesh)
+            MODES[mode](model, mesh=mesh)
+        return apply
+
+    runs = {}
+    for mode, backend in (("eager", None), ("compiled", "aot_eager")):
+        torch._dynamo.reset()
+        p = Parity.build(small_gpt, tied(mode), mesh, "compiled", loss_of=gpt_loss)
+        sharded = p.model
+        assert sharded.head.weight is sharded.tok_emb.weight
+        if backend is not None:
+            p.model = torch.compile(p.model, backend=backend, fullgraph=True)
+        p.train(gpt_batches(2))  # gradients and parameters against the unsharded model at each step
+        p.model = sharded  # the same code run without torch.compile: three graphs fewer to compile
+        sharded.head.set_gradient_divide_factor(3.0)
+        for i, batch in enumerate(gpt_batches(3, seed=40)):
+            sharded.set_requires_gradient_sync(i == 2)
+            p.forward_backward(batch)
+        p.optimizer_step()
+        runs[mode] = p
+    for (name, x), y in zip(runs["compiled"].model.named_parameters(), runs["eager"].model.parameters()):
+        assert_close(full(x.detach()), full(y.detach()), f"tied across calls, divide factor on the head, accumulation: {name}")
+
+
+@checks("shardkit", sim=False)
+def a_checkpoint_saved_in_one_mode_loads_in_the_other(mesh, impl):
+    with tempfile.TemporaryDirectory() as tmp:
+        names = [tmp]
+        torch.distributed.broadcast_object_list(names, src=0)  # rank 0's directory for every rank
+        for saver, loader in (("compiled", "eager"), ("eager", "compiled")):
+            trained = Parity.build(small_gpt, shard(saver, mesh), mesh, "compiled", loss_of=gpt_loss)
+            for batch in gpt_batches(2):
+                trained.step(batch)
+            path = f"{names[0]}/{saver}"
+            shardkit.checkpoint.save(path, trained.model, trained.opt, step=2)
+            fresh = Parity.build(small_gpt, shard(loader, mesh), mesh, "compiled", loss_of=gpt_loss)
+            shardkit.checkpoint.load(path, fresh.model, fresh.opt)
+            assert_same_bits(fresh, trained, f"saved by {saver}, loaded by {loader}")
+            after = []
+            for p in (trained, fresh):  # the optimizer state came along: the next step agrees too
+                after.append(p.forward_backward(gpt_batches(1, seed=7)[0]).loss)
+                p.optimizer_step()
+            assert torch.equal(after[0], after[1]), f"saved by {saver}: the next loss differs"
+            assert_same_bits(fresh, trained, f"saved by {saver}, one step after loading")
+
+
+@pytest.mark.parametrize("case", checks.cases(), ids=str)
+def test_compiled_tied_and_checkpoints_on_two_ranks(gloo_outcomes, case):
+    gloo_outcomes.assert_passed(case)
+
+
+if __name__ == "__main__":
+    run_worker(checks)
