@@ -40,6 +40,8 @@ and autograd adds the two reduced gradients in its shard (eager mode keeps the o
 unsharded instead: more bytes here, the same gradient up to rounding). Both calls shard over
 one mesh.
 
+A parameter no rank used keeps ``.grad = None``, as eager mode (unused.py).
+
 Not in this mode (they raise): ``shard_placement_fn``, CPU offload, an int
 ``reshard_after_forward``, tensor subclasses with FSDP2's all-gather hooks.
 """
@@ -53,7 +55,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit import api, meshes
-from shardkit.compiled import overlap, region
+from shardkit.compiled import overlap, region, unused
 from shardkit.compiled.gather import gather
 from shardkit.compiled.group import CompiledGroup
 from shardkit.compiled.module import CompiledFSDPModule
@@ -98,6 +100,8 @@ def fully_shard(
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
     group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard_after_forward, mp_policy, owners)
     _check_owners(group, borrowed)
+    for p, owner, _ in borrowed:
+        owner.lent.add(owner.params.index(p))
     overlap.GROUPS.add(group.shard.pg_name)
     api.register_sharded(group, sharded, dataclasses.replace(found, borrowed={}))
     for p, _, slots in borrowed:
@@ -170,7 +174,7 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
 
 def _param_property(group: CompiledGroup, name: str, i: int) -> property:
     def get(module: nn.Module) -> Any:
-        return group.gathered[i] if group.gathered is not None else module._parameters[name]
+        return unused.reading(group, i) if group.gathered is not None else module._parameters[name]
 
     return property(get)
 
@@ -186,11 +190,13 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
         elif group.region and not kwargs and forward is type(self)._shardkit_plain_forward:
             output = region.run(group, self, args)
         else:
-            group.gathered = gather(group)
+            unused.forward_begins(group)
+            group.gathered, group.marks = gather(group)
             try:
                 output = forward(self, *args, **kwargs)
             finally:
-                group.gathered = None
+                group.gathered, group.marks = None, []
+            unused.forward_ends(group)
         return cast_output(group.mp_policy, output)
 
     return gathering_forward

@@ -26,34 +26,40 @@ class _GatherGraphBucket(torch.autograd.Function):
     backward with it adds them before its all-reduce, as eager mode."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype,
-                reduce_dtype: torch.dtype, settings: "Settings", traced: bool) -> torch.Tensor:
+    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, group: CompiledGroup,
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype, settings: "Settings", traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``unreduced``: without ``settings.sync``, the leaf that keeps the unsharded gradient
         (``CompiledGroup.unreduced_leaf``); with it, what earlier backwards kept (added before the
         reduce-scatter), or None. ``partial`` the same for the all-reduce (``settings.all_reduce``,
-        ``CompiledGroup.partial_leaf``). ``traced``: run the trace ops here (False inside a nested
-        compile region, which records its collectives outside: region.py)."""
+        ``CompiledGroup.partial_leaf``). ``presence``: the leaf that gets the grad-presence
+        counts (unused.py). ``traced``: run the trace ops here (False inside a nested compile
+        region, which records its collectives outside: region.py). Returns the gathered rows
+        and one zero mark per parameter."""
         ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, reduce_dtype, flat.dtype, settings, traced
         ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None)  # (else: the leaves)
         shard = group.shard
+        marks = presence.new_zeros(presence.shape)
+        ctx.marks = marks.numel()
         send = flat.to(param_dtype)
         if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
-            return send if send is not flat else send.clone()
+            return (send if send is not flat else send.clone()), marks
         _trace(traced, send, "all_gather", group.name, shard, False)
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, shard.world, shard.pg_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
         _trace(traced, gathered, "all_gather", group.name, shard, True)
-        return gathered
+        return gathered, marks
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor, used: torch.Tensor) -> tuple:
         group, shard, replicate, settings = ctx.group, ctx.group.shard, ctx.group.replicate, ctx.settings
         nones = (None,) * 5
+        # the grad-presence columns after each rank's rows, as eager mode: (world, per_rank + n)
+        used = used if used is not None else grad.new_zeros(ctx.marks)
+        grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
         if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
-            return None, grad.to(ctx.reduce_dtype), None, *nones
+            return None, grad, None, None, *nones
         unreduced, partial = ctx.saved_tensors
         pre, post = _divide_factors(settings.divide_by, ctx.reduce_dtype)
-        grad = grad.to(ctx.reduce_dtype).contiguous()
         if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
             grad = unreduced + grad
         if pre != 1:
@@ -61,17 +67,19 @@ class _GatherGraphBucket(torch.autograd.Function):
         reduced = grad
         if shard.world > 1:
             _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
-            reduced = _reduce_scatter(grad, shard)  # (per_rank,)
+            reduced = _reduce_scatter(grad, shard)  # (per_rank + n,)
             _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
         if group.all_reduces and not settings.all_reduce:  # kept for the next all-reduce
-            return None, None, reduced, *nones
+            return None, None, reduced, None, *nones
         if partial is not None:  # as eager mode: this backward's sums, plus those kept
             reduced = reduced + partial
         if group.all_reduces:
             _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
             reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
             _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
-        return (reduced / post).to(ctx.dtype), None, None, *nones
+        reduced = reduced / post
+        rows, counts = reduced.split([reduced.numel() - ctx.marks, ctx.marks])
+        return rows.to(ctx.dtype), None, None, counts, *nones
 
 
 def _reduce_scatter(grad: torch.Tensor, shard: Any) -> torch.Tensor:
@@ -149,41 +157,58 @@ class Settings(NamedTuple):
 
 def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """The group's shards as the modules hold them now, and what ``_GatherGraphBucket`` takes as
-    ``unreduced`` (per bucket) then as ``partial`` (per bucket): the kept sums or the leaves."""
+    ``unreduced`` (per bucket), as ``partial`` (per bucket: the kept sums or the leaves), then
+    as ``presence`` (per bucket)."""
     registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
     shards = tuple(param.to_local() for param in registered)
     buckets = list(enumerate(settings.per_bucket(group)))
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
     partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
-    return shards, unreduced + partial
+    presence = tuple(group.presence_leaf(b) for b, _ in buckets)
+    return shards, unreduced + partial + presence
 
 
-def gather(group: CompiledGroup) -> list[torch.Tensor]:
+def gather(group: CompiledGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The group's unsharded parameters, from one all-gather per bucket (recomputed in backward
-    when the group reshards after forward)."""
+    when the group reshards after forward), and their marks (unused.py)."""
     settings = Settings.of(group)
     return gathered(group, settings, *gather_inputs(group, settings), traced=True)
 
 
-def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple, traced: bool) -> list[torch.Tensor]:
+def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple, traced: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``gather`` from its inputs (``kept``: ``gather_inputs``'s second); ``traced``: with the
     trace ops (see ``_GatherGraphBucket``)."""
+    n = len(group.params)
 
     def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
-        n, b = len(group.params), len(group.buckets)
-        shards, unreduced, partial = inputs[:n], inputs[n : n + b], inputs[n + b :]
-        unsharded: list[Any] = [None] * len(shards)
+        b = len(group.buckets)
+        shards, unreduced, partial, presence = inputs[:n], inputs[n : n + b], inputs[n + b : n + 2 * b], inputs[n + 2 * b :]
+        unsharded: list[Any] = [None] * n
+        marks = []  # per bucket
         for b, (bucket, s) in enumerate(zip(group.buckets, settings.per_bucket(group))):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], group, bucket.param_dtype, bucket.reduce_dtype, s, traced)
+            gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], group, bucket.param_dtype, bucket.reduce_dtype, s, traced)
+            marks.append(bucket_marks)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
-        return unsharded
+        return unsharded + marks
 
     if settings.reshard and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute)
-        return checkpoint(run, *shards, *kept, use_reentrant=False, context_fn=context)
-    return run(*shards, *kept)
+        out = checkpoint(run, *shards, *kept, use_reentrant=False, context_fn=context)
+        # Dynamo (torch 2.13, 2.14) drops a checkpoint's unused outputs (a parameter the forward
+        # does not read) after tracing, and in a region called more than once it renumbers them
+        # once per call and fails ("Expected unused getitem node ... to have no users"). A dead
+        # use of each keeps them until AOTAutograd's own dead-code pass drops them.
+        for t in out:
+            t.view_as(t)
+    else:
+        out = run(*shards, *kept)
+    marks: list[Any] = [None] * n
+    for bucket, bucket_marks in zip(group.buckets, out[n:]):
+        for k, i in enumerate(bucket.indices):
+            marks[i] = bucket_marks[k]
+    return list(out[:n]), marks
 
 
 def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:

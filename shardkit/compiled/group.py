@@ -4,6 +4,8 @@ its modules take on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +27,11 @@ class GraphBucket:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     owner: "CompiledGroup | None" = None  # weights tied to an earlier call's: reduced with its settings
+
+    @property
+    def reduced_numel(self) -> int:
+        """One rank's part of the reduce-scatter: its rows, then one grad-presence count per parameter."""
+        return sum(self.numels) + len(self.indices)
 
 
 @dataclass(frozen=True)
@@ -63,9 +70,17 @@ class CompiledGroup:
         self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
+        self.marks: list[torch.Tensor] = []  # with them: each parameter's mark (unused.py)
+        self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
+        self.reads: set[int] = set()  # unused.py: what the forward being traced read,
+        self.unread: set[int] = set()  # what some traced forward did not read (watched),
+        self.hooked: dict[int, torch.Tensor] = {}  # bucket -> its presence leaf with the hook that checks them,
+        self.last_grads: dict[int, Any] = {}  # the .grad each had after the last check (a weakref),
+        self.check_queued = False  # and whether the check at the end of backward is queued
         self.region = False  # its forward runs as a nested compile region (region.py)
         self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
         self._partial: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its sums not all-reduced (HSDP)
+        self._presence: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad gets the ranks that used each parameter
         self.make_buckets()
 
     @property
@@ -80,14 +95,20 @@ class CompiledGroup:
 
     def unreduced_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for backwards without sync: autograd sums their unsharded gradients
-        (in reduce_dtype) into its ``.grad``. One element of memory, broadcast: the gradient is
-        the only full-size tensor."""
-        return self._leaf(self._unreduced, b, sum(self.buckets[b].numels) * self.shard.world)
+        (in reduce_dtype, with the grad-presence columns: ``(world, per_rank + n)``) into its
+        ``.grad``. One element of memory, broadcast: the gradient is the only full-size tensor."""
+        return self._leaf(self._unreduced, b, self.buckets[b].reduced_numel * self.shard.world)
 
     def partial_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for HSDP backwards without the all-reduce: autograd sums their
-        reduce-scattered gradients (this rank's rows, undivided, in reduce_dtype) into its ``.grad``."""
-        return self._leaf(self._partial, b, sum(self.buckets[b].numels))
+        reduce-scattered gradients (this rank's rows and the presence counts, undivided, in
+        reduce_dtype) into its ``.grad``."""
+        return self._leaf(self._partial, b, self.buckets[b].reduced_numel)
+
+    def presence_leaf(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s leaf whose ``.grad`` gets, per parameter, how many ranks used it
+        (divided as the gradients are: only whether it is zero counts; unused.py)."""
+        return self._leaf(self._presence, b, len(self.buckets[b].indices))
 
     def _leaf(self, leaves: dict[int, torch.Tensor], b: int, numel: int) -> torch.Tensor:
         if b not in leaves:
@@ -114,7 +135,7 @@ class CompiledGroup:
         if any(leaf.grad is not None for leaf in (*self._unreduced.values(), *self._partial.values())):
             raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync or without the all-reduce; "
                                "run a backward with set_requires_gradient_sync(True) and set_requires_all_reduce(True) before moving the model.")
-        self._unreduced, self._partial = {}, {}
+        self._unreduced, self._partial, self._presence = {}, {}, {}
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i))
@@ -122,6 +143,8 @@ class CompiledGroup:
             bucket.indices.append(i)
             bucket.numels.append(p.shard_numel)
         self.buckets = list(buckets.values())
+        for b in range(len(self.buckets)):
+            self.presence_leaf(b)  # made here, outside any compiled region
 
 
 def _take(leaf: torch.Tensor | None) -> torch.Tensor | None:

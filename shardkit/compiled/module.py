@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from shardkit.compiled import unused
 from shardkit.compiled.group import CompiledGroup
 from shardkit.module import FSDPModule, UnshardHandle
 from shardkit.state import state_of
@@ -31,6 +32,7 @@ class CompiledFSDPModule(FSDPModule):
         for p in group.params:
             p.reset_from_registered()
         group.make_buckets()
+        unused.rewatch(group)
         return result
 
     def _shardkit(self) -> CompiledGroup:

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from shardkit.compiled import unused
 from shardkit.compiled.gather import Settings, gather_inputs, gathered
 from shardkit.compiled.group import CompiledGroup
 
@@ -45,11 +46,14 @@ REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them
 def _block(module: nn.Module, settings: Settings, shards: tuple, kept: tuple, *args: Any) -> Any:
     """The region: gather the group's parameters, run the module's own forward."""
     group: CompiledGroup = module.__dict__["_shardkit_state"]
-    group.gathered = gathered(group, settings, shards, kept, traced=False)
+    unused.forward_begins(group)
+    group.gathered, group.marks = gathered(group, settings, shards, kept, traced=False)
     try:
-        return type(module)._shardkit_plain_forward(module, *args)
+        output = type(module)._shardkit_plain_forward(module, *args)
     finally:
-        group.gathered = None
+        group.gathered, group.marks = None, []
+    unused.forward_ends(group, _key(module, settings, shards, kept, *args))
+    return output
 
 
 def _key(module: nn.Module, settings: Settings, shards: tuple, kept: tuple, *args: Any) -> int:
@@ -135,6 +139,7 @@ def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
         shards = _Reductions.apply(group, settings, *shards)
     _trace_gathers(group, shards[0], done=False)
     output = _region(module, settings, shards, kept, *args)
+    unused.region_ran(group, _key(module, settings, shards, kept, *args))
     _trace_gathers(group, shards[0], done=True)
     return output
 
@@ -164,9 +169,9 @@ class _Reductions(torch.autograd.Function):
             grads = (None,) * len(grads)
             x = x if settings.sync else None  # (the reduce-scatter without the all-reduce is traced)
         for bucket in group.buckets if x is not None else ():
-            numel = sum(bucket.numels) * group.shard.world
+            numel = bucket.reduced_numel * group.shard.world
             replicate = group.replicate if settings.all_reduce else None
-            for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", replicate, sum(bucket.numels))):
+            for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", replicate, bucket.reduced_numel)):
                 if comm is not None and comm.world > 1:
                     for done in (False, True):
                         torch.ops.shardkit.trace_collective(x, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)

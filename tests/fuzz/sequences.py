@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.dtype_audit import Audit
 
 DIM, VOCAB, BATCH, SEQ = 8, 16, 4, 3
-TARGETS = ("", "blocks.0", "blocks.1")  # the root and two groups every model has
+TARGETS = ("", "blocks.0", "blocks.1", "head")  # the root and two groups every model has; the head's where it has one (else the root)
 UNSHARD_HOWS = ("sync", "async_wait", "async_wait_twice", "async_no_wait")
 LR = 1e-2
 # shardkit against FSDP2 where both agree with the reference: the same math up to the order of
@@ -436,6 +436,10 @@ class Run:
     def execute(self, cmd: tuple) -> None:
         """Run one call on every side and check; raises ``Failure`` with the reason."""
         name, *args = cmd
+        target = {"set": 1, "unshard": 0, "reshard": 0}.get(name)
+        if target is not None and args[target] == "head" and "head" not in self.groups:
+            args[target] = ""  # a model without the head's group: its root
+            cmd = (name, *args)
         if self.ref_loss is not None and name in ("forward", "step", "zero_grad", "train"):
             self.gathers_comparable = False
         if self.unwaited and name not in ("forward", "train", "unshard", "set"):
@@ -904,9 +908,10 @@ class Run:
 
 def _prefetches_back(knob: str, target: str, names: list[str]) -> bool:
     """Whether a prefetch list names a group that runs before ``target`` in that pass (blocks
-    run in index order forward, the reverse backward; the root first forward, last backward)."""
+    run in index order forward, the reverse backward; the root first forward, last backward;
+    the head, where it has a group of its own, after the blocks forward, first backward)."""
     def index(name: str) -> int:
-        return -1 if name == "" else int(name.split(".")[1])
+        return -1 if name == "" else 10**6 if name == "head" else int(name.split(".")[1])
     if knob == "modules_to_forward_prefetch":
         return any(index(n) <= index(target) for n in names)
     return target != "" and any(index(n) >= index(target) for n in names)

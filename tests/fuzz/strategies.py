@@ -20,10 +20,8 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
     tied across groups), for the tier that only compares with FSDP2. One in five shards
     shardkit's side in compiled mode, with only what that mode takes: a bool
-    reshard_after_forward, no mesh of a parameter's own, and no
-    unused Linear (it gets a zero gradient there, which AdamW's weight decay then applies,
-    where the unsharded model's stays None); half of those run the blocks as nested compile
-    regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
+    reshard_after_forward and no mesh of a parameter's own; half of those run the blocks as
+    nested compile regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
     (``Spec.optim``)."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
     mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
@@ -39,7 +37,7 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
         reshard=reshard,
         mesh=mesh,
         foreach=draw(st.booleans()),
-        unused=not compiled and draw(st.booleans()),
+        unused=draw(st.booleans()),
         swap_data=draw(st.booleans()),
         # the blocks' lin.weight on an HSDP mesh of its own, the rest on a 1-D one (an int
         # reshard_after_forward must divide both meshes' shard dims)

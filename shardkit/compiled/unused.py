@@ -1,0 +1,145 @@
+"""Compiled mode's unused parameters: ``.grad`` stays None, as in eager mode, where a graph's
+backward would give them a zero gradient.
+
+The grad-presence column of eager mode's reduce-scatter (``comm/collectives.py``), carried by
+the graph: each bucket's gather also returns one zero *mark* per parameter, and the class
+property that reads a parameter during its group's forward passes the tensor through
+``_Read``, whose backward gives the parameter's mark a gradient of one. The bucket's backward
+lays the marks' gradients next to the gradient's rows, one column per parameter, so the
+reduce-scatter sums them over the ranks: a parameter's column counts the ranks whose loss
+depended on it. The counts come back as the ``.grad`` of the bucket's presence leaf
+(``CompiledGroup.presence_leaf``).
+
+Which parameters a forward did not read is known when dynamo traces it (``forward_begins``,
+``read`` and ``forward_ends`` run at trace time, ``assume_constant_result``; without compile
+at every call). Only for those (none, in most models) does the end of backward read the
+counts back (a device sync on GPU, as eager mode's when a rank lacks a gradient): a parameter
+no rank used, without a gradient before this backward and with none from outside its group's
+forward, gets ``.grad = None`` again (``_after_backward``).
+A weight tied across calls is not watched (the two calls count it apart): it keeps its zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from shardkit.compiled.group import CompiledGroup
+
+
+class _Read(torch.autograd.Function):
+    """The identity on a gathered parameter; its backward marks the parameter as used."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, mark: torch.Tensor) -> torch.Tensor:
+        ctx.dtype, ctx.device = mark.dtype, mark.device
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, torch.ones((), dtype=ctx.dtype, device=ctx.device)
+
+
+def reading(group: CompiledGroup, i: int) -> torch.Tensor:
+    """Parameter ``i`` as its group's forward reads it (the gathered tensor, marked as read)."""
+    read(group, i)
+    param, mark = group.gathered[i], group.marks[i]
+    return _Read.apply(param, mark) if torch.is_grad_enabled() and mark.requires_grad else param
+
+
+_UNREAD_IN_REGION: dict[int, set[int]] = {}  # region id -> the parameters its traced body did not read
+
+
+@torch.compiler.assume_constant_result
+def forward_begins(group: CompiledGroup) -> bool:
+    group.reads = set()
+    return True
+
+
+@torch.compiler.assume_constant_result
+def read(group: CompiledGroup, i: int) -> bool:
+    group.reads.add(i)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def forward_ends(group: CompiledGroup, region_id: int = -1) -> bool:
+    """The group's forward has been traced (``region_id``: as the body of that region)."""
+    unread = set(range(len(group.params))) - group.reads
+    if region_id >= 0:
+        _UNREAD_IN_REGION[region_id] = unread
+    watch(group, unread)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def region_ran(group: CompiledGroup, region_id: int) -> bool:
+    """A block ran region ``region_id``, traced for another block of its structure: the same
+    parameters go unread."""
+    watch(group, _UNREAD_IN_REGION.get(region_id, set()))
+    return True
+
+
+def watch(group: CompiledGroup, unread: set[int]) -> None:
+    """Check the counts at the end of each backward for these parameters (once watched, always)."""
+    new = {i for i in unread if i not in group.owners and i not in group.lent} - group.unread
+    if not new:
+        return
+    group.unread |= new
+    for b in range(len(group.buckets)):
+        group.presence_leaf(b).grad = None  # counts from now on only
+    rewatch(group)
+
+
+def rewatch(group: CompiledGroup) -> None:
+    """A hook on the presence leaf of each bucket with a watched parameter (``make_buckets``
+    makes new leaves). Not on the parameters: ``.to()`` swaps a DTensor parameter's contents
+    in place, and the hooks registered on it stop firing."""
+    for b, bucket in enumerate(group.buckets):
+        leaf = group.presence_leaf(b)
+        if group.unread.intersection(bucket.indices) and group.hooked.get(b) is not leaf:
+            leaf.register_hook(lambda counts, group=group: _counted(group))
+            group.hooked[b] = leaf
+
+
+def _registered(group: CompiledGroup, i: int) -> nn.Parameter:
+    slot = group.params[i].slots[0]
+    return slot.module._parameters[slot.name]
+
+
+def _counted(group: CompiledGroup) -> None:
+    """A backward reduced a bucket with a watched parameter: check them all once it has ended."""
+    if not group.check_queued:
+        group.check_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _after_backward(group))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _after_backward(group: CompiledGroup) -> None:
+    """The end of a backward that reduced a watched parameter: None where no rank used it, and
+    it had no gradient before (``.grad`` is not the tensor the last check left: a new one, which
+    autograd made from this backward's zeros, as it does after ``zero_grad()``; an accumulated or
+    zeroed-in-place one stays the same tensor) and none from outside its group's forward (a
+    regularizer of the loss on the sharded parameter itself: kept, as eager mode keeps it)."""
+    group.check_queued = False
+    for b, bucket in enumerate(group.buckets):
+        leaf = group.presence_leaf(b)
+        counts, leaf.grad = leaf.grad, None
+        watched = [(k, i) for k, i in enumerate(bucket.indices) if i in group.unread]
+        if counts is None or not watched:
+            continue
+        values = counts.tolist()
+        for k, i in watched:
+            param = _registered(group, i)
+            seen = group.last_grads.get(i)
+            fresh = param.grad is not None and (seen is None or seen() is not param.grad)
+            if values[k] == 0 and fresh and not _local(param.grad).any():
+                param.grad = None
+            group.last_grads[i] = weakref.ref(param.grad) if param.grad is not None else None
