@@ -2,7 +2,8 @@
 against eager shardkit, compiled (fullgraph, aot_eager); mixed precision; checkpoints across
 the two modes. (Peak memory: tests/fake/test_compiled_graphs.py; blocks as compile regions:
 test_compiled_mode_regions.py; weights tied across calls and checkpoints across the modes:
-test_compiled_mode_tied.py.) (The mode run without torch.compile is
+test_compiled_mode_tied.py; inductor: test_compiled_mode_inductor.py; unused parameters:
+test_compiled_mode_unused.py.) (The mode run without torch.compile is
 in the fuzzer's call sequences, tests/fuzz, against the unsharded model.)
 
 aot_eager runs AOTAutograd's graphs (with the min-cut partitioner inductor uses) op by op, so
@@ -29,20 +30,6 @@ def gpt_trains_like_the_unsharded_model_and_eager_shardkit(mesh, impl):
         assert [torch.equal(c, e) for c, e in zip(losses, eager_losses)] == [True] * STEPS, (backend, losses, eager_losses)
         compiled.assert_params_match()  # against the unsharded model
         assert_same_bits(compiled, eager, f"{backend} against eager shardkit")
-
-
-@checks("shardkit", sim=False)
-def inductor_with_its_overlap_trains_like_the_unsharded_model(mesh, impl):
-    """The default backend, with shardkit's overlap pass ordering its scheduler (each group's
-    all-gather issued during the previous group's compute, reduce-scatters waited for late):
-    a wait placed after an op that reads its collective would read a buffer gloo is still
-    filling, and the gradients would not match."""
-    from shardkit.compiled import overlap
-
-    before = overlap.REORDERED[0]
-    compiled, losses = train(mesh, "compiled", "inductor")
-    compiled.assert_params_match()  # against the unsharded model, after 3 steps
-    assert overlap.REORDERED[0] > before  # the pass ran on the graphs and moved collectives
 
 
 @checks("shardkit", sim=False)
