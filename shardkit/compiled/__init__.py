@@ -196,7 +196,7 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
                 output = forward(self, *args, **kwargs)
             finally:
                 group.gathered, group.marks = None, []
-            unused.forward_ends(group)
+            unused.forward_ends(group, self)
         return cast_output(group.mp_policy, output)
 
     return gathering_forward

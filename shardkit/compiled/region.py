@@ -52,7 +52,7 @@ def _block(module: nn.Module, settings: Settings, shards: tuple, kept: tuple, *a
         output = type(module)._shardkit_plain_forward(module, *args)
     finally:
         group.gathered, group.marks = None, []
-    unused.forward_ends(group, _key(module, settings, shards, kept, *args))
+    unused.forward_ends(group, module, _key(module, settings, shards, kept, *args))
     return output
 
 

@@ -67,9 +67,13 @@ def read(group: CompiledGroup, i: int) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def forward_ends(group: CompiledGroup, region_id: int = -1) -> bool:
-    """The group's forward has been traced (``region_id``: as the body of that region)."""
-    unread = set(range(len(group.params))) - group.reads
+def forward_ends(group: CompiledGroup, module: nn.Module, region_id: int = -1) -> bool:
+    """``module``'s forward, one of the group's, has been traced (``region_id``: as the body of
+    that region): what it did not read of the parameters under it (a group of several modules
+    runs one forward per module)."""
+    under = set(module.modules())
+    ran = {i for i, p in enumerate(group.params) if any(slot.module in under for slot in p.slots)}
+    unread = ran - group.reads
     if region_id >= 0:
         _UNREAD_IN_REGION[region_id] = unread
     watch(group, unread)

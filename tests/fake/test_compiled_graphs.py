@@ -294,3 +294,30 @@ def test_peak_memory_is_at_most_eager_shardkits():
     assert peaks["compiled", True] < peaks["compiled", False], peaks
     for reshard in (True, False):
         assert peaks["compiled", reshard] <= peaks["eager", reshard], peaks
+
+
+class _TwoAndASpare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.spare, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.b(self.a(x)))
+
+
+def test_only_the_parameters_a_forward_did_not_read_are_checked_after_backward():
+    """Compiled mode reads the grad-presence counts back after backward (a device sync on GPU)
+    only for parameters a traced forward did not read (shardkit/compiled/unused.py): none in a
+    group of two modules, each with a forward of its own that reads only its own parameters;
+    the root's unused Linear. Run without torch.compile: the same notes, at each call."""
+    with fake_world(WORLD) as mesh:
+        model = _TwoAndASpare()
+        shardkit.compiled.fully_shard([model.a, model.b], mesh=mesh)
+        shardkit.compiled.fully_shard(model, mesh=mesh)
+        model(torch.randn(4, 8)).sum().backward()
+        pair, root = model.a._shardkit_state, model._shardkit_state
+        names = lambda group: {f"{type(p.slots[0].module).__name__}.{p.slots[0].name}" for i, p in enumerate(group.params) if i in group.unread}  # noqa: E731
+        assert pair.unread == set() and pair.hooked == {}
+        assert len(root.unread) == 2 and names(root) == {"Linear.weight", "Linear.bias"}
+        assert {root.params[i].slots[0].module for i in root.unread} == {model.spare}
+        assert list(root.hooked) == [0]  # the presence leaf of the root's one bucket
