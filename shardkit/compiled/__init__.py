@@ -100,6 +100,7 @@ def fully_shard(
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
     group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard_after_forward, mp_policy, owners)
     _check_owners(group, borrowed)
+    unused.register(group)
     for p, owner, _ in borrowed:
         owner.lent.add(owner.params.index(p))
     overlap.GROUPS.add(group.shard.pg_name)
