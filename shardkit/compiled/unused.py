@@ -10,20 +10,21 @@ reduce-scatter sums them over the ranks: a parameter's column counts the ranks w
 depended on it. The counts come back as the ``.grad`` of the bucket's presence leaf
 (``CompiledGroup.presence_leaf``).
 
-Which parameters a forward did not read is known when dynamo traces it (``forward_begins``,
-``read`` and ``forward_ends`` run at trace time, ``assume_constant_result``; without compile
-at every call). Only for those (none, in most models) does the end of backward read the
-counts back (a device sync on GPU, as eager mode's when a rank lacks a gradient): a parameter
-no rank used, without a gradient before this backward and with none from outside its group's
-forward, gets ``.grad = None`` again (``_after_backward``).
+Which parameters a forward did not read is known when dynamo traces it (``forward_begins`` and
+``forward_ends`` run at trace time, ``assume_constant_result``, and dynamo runs ``_read`` once
+while tracing each read; without compile, all of them run at every call). Only for those
+(none, in most models) does the end of backward read the counts back (a device sync on GPU,
+as eager mode's when a rank lacks a gradient): a parameter no rank used, without a gradient
+before this backward and with none from outside its group's forward, gets ``.grad = None``
+again (``_after_backward``). A parameter read but not used by the loss (its ``.shape`` only)
+is not watched: it keeps the graph's zero gradient.
 A weight tied across calls is not watched (the two calls count it apart): it keeps its zero.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import weakref
+from typing import Any
 
 import torch
 import torch.nn as nn
