@@ -54,7 +54,6 @@ class _GatherGraphBucket(torch.autograd.Function):
         group, shard, replicate, settings = ctx.group, ctx.group.shard, ctx.group.replicate, ctx.settings
         nones = (None,) * 5
         # the grad-presence columns after each rank's rows, as eager mode: (world, per_rank + n)
-        used = used if used is not None else grad.new_zeros(ctx.marks)
         grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
         if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
             return None, grad, None, None, *nones

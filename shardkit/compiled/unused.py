@@ -68,7 +68,6 @@ _GROUPS: "weakref.WeakValueDictionary[int, CompiledGroup]" = weakref.WeakValueDi
 
 def register(group: CompiledGroup) -> None:
     """Make ``group`` known to ``_read`` by its ``uid`` (at ``fully_shard``, outside any graph)."""
-    group.uid = id(group)
     _GROUPS[group.uid] = group
 
 
