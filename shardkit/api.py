@@ -87,9 +87,7 @@ def fully_shard(
     meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None)
     spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
     dp_mesh = spmd.dp_mesh if spmd is not None else mesh
-    if spmd is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
-    reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh)
+    reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh, spmd=spmd is not None)
     mp_policy, options = check_policies(mp_policy, offload_policy)
     found = collect(modules, ignored_params)
     device = meshes.mesh_device(mesh)

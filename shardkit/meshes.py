@@ -150,11 +150,14 @@ def check_mesh(mesh: Any, spmd: bool = False) -> None:
         )
 
 
-def check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | None, DeviceMesh | None]:
+def check_reshard_after_forward(value: Any, mesh: DeviceMesh, spmd: bool = False, split: bool = False) -> tuple[bool | None, DeviceMesh | None]:
     """The bool (or None: decided at lazy init), and for an int R strictly between 1 and the
-    world size, the (world / R, R) mesh whose dim 1 holds the post-forward shards."""
+    world size, the (world / R, R) mesh whose dim 1 holds the post-forward shards (``split``:
+    compiled mode's, ``post_forward_split``). ``spmd``: sharded over ``dp_mesh_dims``."""
     if value is None or isinstance(value, bool):
         return value, None
+    if spmd:
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")  # as FSDP2
     if not isinstance(value, int):
         raise ValueError(
             f"reshard_after_forward should be None, a bool, or an int dividing the mesh size, not {value!r}"
@@ -167,7 +170,20 @@ def check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> tuple[bool | No
     if value == 1:
         warnings.warn("reshard_after_forward=1 (int) keeps parameters unsharded after forward; use False", stacklevel=3)
         return False, None
-    return True, _post_forward_mesh(mesh, value)
+    return True, (post_forward_split if split else _post_forward_mesh)(mesh, value)
+
+
+def post_forward_split(mesh: DeviceMesh, size: int) -> DeviceMesh:
+    """Compiled mode's ``reshard_after_forward=R`` (``size``): the shard dim of ``mesh`` split in
+    two, ``(*other dims, shard / R, R)``: dim -1 holds R consecutive ranks (the post-forward
+    shards, as eager's), dim -2 the ranks equal modulo R within one shard row. A 1-D mesh's is
+    eager's own (the same process groups); collective, made once per mesh object and size."""
+    if mesh.ndim == 1:
+        return _post_forward_mesh(mesh, size)
+    cache = mesh.__dict__.setdefault("_shardkit_post_forward_meshes", {})
+    if ("split", size) not in cache:
+        cache["split", size] = DeviceMesh(mesh.device_type, mesh.mesh.view(*mesh.mesh.shape[:-1], -1, size))
+    return cache["split", size]
 
 
 def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:

@@ -88,6 +88,11 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_regions.py::test_blocks_that_differ",
     "tests/fake/test_compiled_regions.py::test_the_trace",
     "tests/fake/test_compiled_regions.py::test_peak_memory",
+    "tests/fake/test_compiled_methods.py::test_not_resharding",  # torch.compile, twice
+    "tests/fake/test_compiled_post_forward.py::test_forward",  # torch.compile of the GPT, twice
+    "tests/fake/test_compiled_post_forward.py::test_hsdp",
+    "tests/fake/test_compiled_post_forward.py::test_peak_memory",
+    "tests/fake/test_compiled_post_forward.py::test_set_reshard",
 )
 
 

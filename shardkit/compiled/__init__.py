@@ -40,10 +40,18 @@ and autograd adds the two reduced gradients in its shard (eager mode keeps the o
 unsharded instead: more bytes here, the same gradient up to rounding). Both calls shard over
 one mesh.
 
+``reshard_after_forward=R`` (an int): forward gathers a group in two steps, first 1/R of it
+from the ranks equal to this one modulo R (what the checkpoint saves), then the rest from R
+consecutive ranks (what backward gathers again): gather.py.
+
+``set_reshard_after_backward(False)``: backward keeps each bucket's all-gather output, and
+the next forward uses it instead of all-gathering, until an optimizer step, ``load_state_dict``,
+``.to()`` or ``reshard()`` (module.py, gather.py).
+
 A parameter no rank used keeps ``.grad = None``, as eager mode (unused.py).
 
-Not in this mode (they raise): ``shard_placement_fn``, CPU offload, an int
-``reshard_after_forward``, tensor subclasses with FSDP2's all-gather hooks.
+Not in this mode (they raise): ``shard_placement_fn``, CPU offload, tensor subclasses with
+FSDP2's all-gather hooks.
 """
 
 from __future__ import annotations
@@ -86,7 +94,8 @@ def fully_shard(
     spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
     dp_mesh = spmd.dp_mesh if spmd is not None else mesh  # 1-D, or 2-D (replicate, shard)
     overlap.install()
-    _unsupported(reshard_after_forward, shard_placement_fn, offload_policy)
+    _unsupported(shard_placement_fn, offload_policy)
+    reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh, spmd=spmd is not None, split=True)
     mp_policy, options = check_policies(mp_policy, offload_policy)
     found = api.collect(modules, ignored_params)
     for inner in found.nested:
@@ -98,12 +107,12 @@ def fully_shard(
     sharded = api.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
     own = list(sharded.values())
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
-    group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard_after_forward, mp_policy, owners)
+    group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard, mp_policy, owners, post_forward_mesh)
     _check_owners(group, borrowed)
     unused.register(group)
     for p, owner, _ in borrowed:
         owner.lent.add(owner.params.index(p))
-    overlap.GROUPS.add(group.shard.pg_name)
+    overlap.GROUPS.update(comm.pg_name for comm in (group.shard, *(group.post_forward or ())))
     api.register_sharded(group, sharded, dataclasses.replace(found, borrowed={}))
     for p, _, slots in borrowed:
         p.add_slots(slots, unsharded=False)
@@ -119,11 +128,9 @@ def fully_shard(
     return module
 
 
-def _unsupported(reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any) -> None:
+def _unsupported(shard_placement_fn: Any, offload_policy: Any) -> None:
     why = ""
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        why = f"reshard_after_forward={reshard_after_forward!r} (an int)"
-    elif shard_placement_fn is not None:
+    if shard_placement_fn is not None:
         why = "shard_placement_fn"
     elif type(offload_policy) is not OffloadPolicy:
         why = "CPU offload"
@@ -164,6 +171,7 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
     for m in group.modules:
         by_module.setdefault(m, {})
         m.__dict__["_shardkit_state"] = group
+        m._register_load_state_dict_pre_hook(lambda *_: group.drop_kept())  # what a backward kept is stale
     for m, names in by_module.items():
         namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
         if m in group.modules:

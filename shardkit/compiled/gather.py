@@ -26,59 +26,85 @@ class _GatherGraphBucket(torch.autograd.Function):
     backward with it adds them before its all-reduce, as eager mode."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, group: CompiledGroup,
-                param_dtype: torch.dtype, reduce_dtype: torch.dtype, settings: "Settings", traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, reuse: torch.Tensor | None,
+                keep: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, settings: "Settings", traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``unreduced``: without ``settings.sync``, the leaf that keeps the unsharded gradient
         (``CompiledGroup.unreduced_leaf``); with it, what earlier backwards kept (added before the
         reduce-scatter), or None. ``partial`` the same for the all-reduce (``settings.all_reduce``,
         ``CompiledGroup.partial_leaf``). ``presence``: the leaf that gets the grad-presence
-        counts (unused.py). ``traced``: run the trace ops here (False inside a nested compile
-        region, which records its collectives outside: region.py). Returns the gathered rows
-        and one zero mark per parameter."""
+        counts (unused.py). ``reuse``: the all-gather output a backward kept
+        (``set_reshard_after_backward(False)``), used instead of all-gathering; ``keep``: with
+        ``settings.keep``, the leaf whose gradient gets this one (``CompiledGroup.kept_leaf``).
+        ``traced``: run the trace ops here (False inside a nested compile region, which records
+        its collectives outside: region.py). Returns the gathered rows and one zero mark per
+        parameter."""
         ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, reduce_dtype, flat.dtype, settings, traced
-        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None)  # (else: the leaves)
-        shard = group.shard
         marks = presence.new_zeros(presence.shape)
         ctx.marks = marks.numel()
-        send = flat.to(param_dtype)
-        if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
-            return (send if send is not flat else send.clone()), marks
-        _trace(traced, send, "all_gather", group.name, shard, False)
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, shard.world, shard.pg_name)
-        gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # (world * per_rank,)
-        _trace(traced, gathered, "all_gather", group.name, shard, True)
+        gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(param_dtype), flat, group, settings, traced)
+        # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward
+        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None, gathered if settings.keep else None)
         return gathered, marks
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, used: torch.Tensor) -> tuple:
-        group, shard, replicate, settings = ctx.group, ctx.group.shard, ctx.group.replicate, ctx.settings
-        nones = (None,) * 5
-        # the grad-presence columns after each rank's rows, as eager mode: (world, per_rank + n)
-        grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
-        if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
-            return None, grad, None, None, *nones
-        unreduced, partial = ctx.saved_tensors
-        pre, post = _divide_factors(settings.divide_by, ctx.reduce_dtype)
-        if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
-            grad = unreduced + grad
-        if pre != 1:
-            grad = grad / pre
-        reduced = grad
-        if shard.world > 1:
-            _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
-            reduced = _reduce_scatter(grad, shard)  # (per_rank + n,)
-            _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
-        if group.all_reduces and not settings.all_reduce:  # kept for the next all-reduce
-            return None, None, reduced, None, *nones
-        if partial is not None:  # as eager mode: this backward's sums, plus those kept
-            reduced = reduced + partial
-        if group.all_reduces:
-            _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
-            reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
-            _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
-        reduced = reduced / post
-        rows, counts = reduced.split([reduced.numel() - ctx.marks, ctx.marks])
-        return rows.to(ctx.dtype), None, None, counts, *nones
+        """The gradients of (flat, unreduced, partial, presence), then None for ``reuse``, the
+        gathered rows for ``keep`` (``settings.keep``), and None for the rest."""
+        unreduced, partial, gathered = ctx.saved_tensors
+        return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 5
+
+
+def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None) -> tuple:
+    """``_GatherGraphBucket``'s gradients of (flat, unreduced, partial, presence)."""
+    group, shard, replicate, settings = ctx.group, ctx.group.shard, ctx.group.replicate, ctx.settings
+    # the grad-presence columns after each rank's rows, as eager mode: (world, per_rank + n)
+    grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
+    if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
+        return None, grad, None, None
+    pre, post = _divide_factors(settings.divide_by, ctx.reduce_dtype)
+    if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
+        grad = unreduced + grad
+    if pre != 1:
+        grad = grad / pre
+    reduced = grad
+    if shard.world > 1:
+        _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
+        reduced = _reduce_scatter(grad, shard)  # (per_rank + n,)
+        _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
+    if group.all_reduces and not settings.all_reduce:  # kept for the next all-reduce
+        return None, None, reduced, None
+    if partial is not None:  # as eager mode: this backward's sums, plus those kept
+        reduced = reduced + partial
+    if group.all_reduces:
+        _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
+        reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
+        _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
+    reduced = reduced / post
+    rows, counts = reduced.split([reduced.numel() - ctx.marks, ctx.marks])
+    return rows.to(ctx.dtype), None, None, counts
+
+
+def _gathered_rows(send: torch.Tensor, flat: torch.Tensor, group: CompiledGroup, settings: "Settings", traced: bool) -> torch.Tensor:
+    """Every rank's ``send`` (``flat`` in param_dtype), rank after rank: ``(world * per_rank,)``."""
+    shard = group.shard
+    if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
+        return send if send is not flat else send.clone()
+    if not settings.post_forward:
+        return _all_gather(send, group.name, shard, traced)
+    # reshard_after_forward=R: first from the ranks equal to this one modulo R, what this
+    # rank keeps after forward (the checkpoint saves it: _Recompute), then from R consecutive
+    # ranks, as backward gathers it again; the same bytes arrive as in one all-gather.
+    across, within = group.post_forward.across, group.post_forward.within
+    kept = _all_gather(send, group.name, across, traced)  # (world / R * per_rank,): ranks i, R + i, 2R + i, ...
+    gathered = _all_gather(kept, group.name, within, traced)  # (R, world / R, per_rank): rank j + R * g at [j, g]
+    return gathered.view(within.world, across.world, -1).transpose(0, 1).reshape(-1)  # (world * per_rank,), rank-major
+
+
+def _all_gather(send: torch.Tensor, name: str, comm: Any, traced: bool) -> torch.Tensor:
+    _trace(traced, send, "all_gather", name, comm, False)
+    gathered = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(send, comm.world, comm.pg_name))
+    _trace(traced, gathered, "all_gather", name, comm, True)
+    return gathered
 
 
 def _reduce_scatter(grad: torch.Tensor, shard: Any) -> torch.Tensor:
@@ -126,12 +152,33 @@ def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: b
 _trace_collective.register_effect(EffectType.ORDERED)
 
 
-def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Recompute the gather in backward; not the trace op, an ordered effect (which AOTAutograd
-    refuses to recompute from torch 2.15 on, and never recomputed before: it has nothing to save)."""
-    if op is torch.ops.shardkit.trace_collective.default or op is torch.ops.higher_order.with_effects:
-        return CheckpointPolicy.PREFER_SAVE
-    return CheckpointPolicy.MUST_RECOMPUTE
+class _Recompute:
+    """The selective checkpoint's policy: recompute the gather in backward, but not the trace
+    op, an ordered effect (which AOTAutograd refuses to recompute from torch 2.15 on, and never
+    recomputed before: it has nothing to save), and not the first all-gather of
+    ``reshard_after_forward=R`` (``across``'s): its waited output, 1/R of the group, is what
+    forward keeps, and backward gathers only ``within``. One per checkpoint call: the ops come
+    in program order, each all-gather right before its wait."""
+
+    def __init__(self, kept: str | None) -> None:
+        self.kept = kept  # the process group whose all-gather forward keeps, if any
+        self.waits_to_keep = 0
+
+    @staticmethod
+    def contexts(kept: str | None) -> tuple:
+        """The checkpoint's ``context_fn`` (a partial of this with a constant: dynamo's rule)."""
+        return create_selective_checkpoint_contexts(_Recompute(kept))
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is torch.ops.shardkit.trace_collective.default or op is torch.ops.higher_order.with_effects:
+            return CheckpointPolicy.PREFER_SAVE
+        if op is torch.ops._c10d_functional.all_gather_into_tensor.default and args[2] == self.kept:
+            self.waits_to_keep += 1
+            return CheckpointPolicy.MUST_SAVE  # (what it keeps is its wait's output; eager: not run again)
+        if op is torch.ops._c10d_functional.wait_tensor.default and self.waits_to_keep:
+            self.waits_to_keep -= 1
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE
 
 
 class Settings(NamedTuple):
@@ -142,29 +189,36 @@ class Settings(NamedTuple):
     reshard: bool  # reshard after forward: backward gathers again
     divide_by: float
     all_reduce: bool  # set_requires_all_reduce (HSDP)
+    post_forward: bool  # reshard_after_forward=R (with grad): gather in two steps, keep 1/R
+    keep: bool  # set_reshard_after_backward(False) (with grad): backward keeps the gathered rows
 
     @staticmethod
     def of(group: CompiledGroup) -> "Settings":
         reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
-        return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by, bool(group.requires_all_reduce))
+        grad = torch.is_grad_enabled()
+        post_forward = bool(reshard) and group.post_forward is not None and grad
+        keep = not group.reshard_after_backward and grad
+        return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by, bool(group.requires_all_reduce), post_forward, keep)
 
     def per_bucket(self, group: CompiledGroup) -> list["Settings"]:
         """Each bucket's: a bucket of weights tied to an earlier call's is reduced with that
         call's settings (sync, divide factor, all-reduce), as eager mode reduces them there."""
-        return [self if b.owner is None else Settings.of(b.owner)._replace(reshard=self.reshard) for b in group.buckets]
+        return [self if b.owner is None else Settings.of(b.owner)._replace(reshard=self.reshard, post_forward=self.post_forward, keep=self.keep) for b in group.buckets]
 
 
 def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """The group's shards as the modules hold them now, and what ``_GatherGraphBucket`` takes as
-    ``unreduced`` (per bucket), as ``partial`` (per bucket: the kept sums or the leaves), then
-    as ``presence`` (per bucket)."""
+    ``unreduced`` (per bucket), as ``partial`` (per bucket: the kept sums or the leaves), as
+    ``presence``, as ``reuse`` and as ``keep`` (per bucket each)."""
     registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
     shards = tuple(param.to_local() for param in registered)
     buckets = list(enumerate(settings.per_bucket(group)))
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
     partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
     presence = tuple(group.presence_leaf(b) for b, _ in buckets)
-    return shards, unreduced + partial + presence
+    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) for b, _ in buckets)
+    keep = tuple(group.kept_leaf(b) if s.keep else None for b, s in buckets)
+    return shards, unreduced + partial + presence + reuse + keep
 
 
 def gather(group: CompiledGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -181,19 +235,21 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
 
     def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
         b = len(group.buckets)
-        shards, unreduced, partial, presence = inputs[:n], inputs[n : n + b], inputs[n + b : n + 2 * b], inputs[n + 2 * b :]
+        shards = inputs[:n]
+        unreduced, partial, presence, reuse, keep = (inputs[n + k * b : n + (k + 1) * b] for k in range(5))  # per bucket each
         unsharded: list[Any] = [None] * n
         marks = []  # per bucket
         for b, (bucket, s) in enumerate(zip(group.buckets, settings.per_bucket(group))):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], group, bucket.param_dtype, bucket.reduce_dtype, s, traced)
+            gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], reuse[b], keep[b], group, bucket.param_dtype,
+                                                              bucket.reduce_dtype, s, traced)
             marks.append(bucket_marks)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
         return unsharded + marks
 
     if settings.reshard and torch.is_grad_enabled():
-        context = functools.partial(create_selective_checkpoint_contexts, _recompute)
+        context = functools.partial(_Recompute.contexts, group.post_forward.across.pg_name if settings.post_forward else None)
         out = checkpoint(run, *shards, *kept, use_reentrant=False, context_fn=context)
         # Dynamo (torch 2.13, 2.14) drops a checkpoint's unused outputs (a parameter the forward
         # does not read) after tracing, and in a region called more than once it renumbers them

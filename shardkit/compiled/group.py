@@ -3,12 +3,14 @@ its modules take on."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit.comm.collectives import backend_of
 from shardkit.dtensor.sharded_param import ShardedParam
@@ -52,23 +54,48 @@ class GraphComm:
         return GraphComm(pg.group_name, mesh.size(dim), name, backend_of(pg)[0])
 
 
+@dataclass(frozen=True)
+class PostForward:
+    """``reshard_after_forward=R``: the two process groups of the forward's all-gather (gather.py).
+    ``across``: the shard dim's ranks equal to this one modulo R (world / R of them); what they
+    gather is what this rank keeps after forward, 1/R of the group. ``within``: R consecutive
+    ranks (eager's post-forward ranks, "dp/R" in the trace), which gather the rest in forward and
+    all of it again in backward."""
+
+    across: GraphComm
+    within: GraphComm
+
+    def __iter__(self):
+        return iter((self.across, self.within))
+
+    @staticmethod
+    def of(mesh: DeviceMesh, shard: GraphComm) -> "PostForward":
+        across, within = GraphComm.of(mesh, mesh.ndim - 2), GraphComm.of(mesh, mesh.ndim - 1)
+        return PostForward(replace(across, mesh_dim=f"{shard.mesh_dim}%{within.world}"), replace(within, mesh_dim=f"{shard.mesh_dim}/{within.world}"))
+
+
 class CompiledGroup:
     """One ``fully_shard`` call in compiled mode: its parameters (a ``ShardedParam`` each, for
     the layout), where the modules register them, and the gathered tensors while its forward runs."""
 
     def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 mp_policy: MixedPrecisionPolicy, owners: dict[int, "CompiledGroup"] | None = None) -> None:
-        """``owners``: the parameters (by index) that are weights tied to an earlier call's, and that call's group."""
+                 mp_policy: MixedPrecisionPolicy, owners: dict[int, "CompiledGroup"] | None = None, post_forward_mesh: DeviceMesh | None = None) -> None:
+        """``owners``: the parameters (by index) that are weights tied to an earlier call's, and
+        that call's group. ``post_forward_mesh``: ``reshard_after_forward=R``'s
+        (``meshes.post_forward_split``)."""
         self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy  # mesh: 1-D, or 2-D (replicate, shard)
         self.owners = owners or {}
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
         self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
         self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
         self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
+        # reshard_after_forward=R: the forward's all-gather in two steps, (ranks equal modulo R, R consecutive ranks)
+        self.post_forward: PostForward | None = PostForward.of(post_forward_mesh, self.shard) if post_forward_mesh is not None else None
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
         self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
+        self.reshard_after_backward = True  # set_reshard_after_backward
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
         self.marks: list[torch.Tensor] = []  # with them: each parameter's mark (unused.py)
         self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
@@ -82,6 +109,7 @@ class CompiledGroup:
         self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
         self._partial: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its sums not all-reduced (HSDP)
         self._presence: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad gets the ranks that used each parameter
+        self._kept: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its all-gather output after backward
         self.make_buckets()
 
     @property
@@ -111,10 +139,29 @@ class CompiledGroup:
         (divided as the gradients are: only whether it is zero counts; unused.py)."""
         return self._leaf(self._presence, b, len(self.buckets[b].indices))
 
-    def _leaf(self, leaves: dict[int, torch.Tensor], b: int, numel: int) -> torch.Tensor:
+    def kept_leaf(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s leaf for backwards that do not reshard (``set_reshard_after_backward(False)``):
+        its ``.grad`` gets the bucket's all-gather output ``(world * per_rank,)`` in param_dtype,
+        which the next forward uses instead of all-gathering (``kept``)."""
+        return self._leaf(self._kept, b, sum(self.buckets[b].numels) * self.shard.world, self.buckets[b].param_dtype)
+
+    def kept(self, b: int, take: bool) -> torch.Tensor | None:
+        """Bucket ``b``'s all-gather output that a backward kept (None if none, or if an optimizer
+        step, ``load_state_dict`` or ``reshard()`` dropped it since); ``take``: forgotten here (a
+        forward with grad: its backward keeps it again, or frees it)."""
+        leaf = self._kept.get(b)
+        return _take(leaf) if take else (leaf.grad if leaf is not None else None)
+
+    def drop_kept(self) -> None:
+        """The shards changed, or ``reshard()``: the next forward all-gathers again."""
+        for leaf in self._kept.values():
+            leaf.grad = None
+
+    def _leaf(self, leaves: dict[int, torch.Tensor], b: int, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         if b not in leaves:
             bucket, p = self.buckets[b], self.params[self.buckets[b].indices[0]]
-            leaves[b] = torch.zeros((), dtype=bucket.reduce_dtype, device=p.device).expand(numel).detach().requires_grad_()
+            dtype = bucket.reduce_dtype if dtype is None else dtype
+            leaves[b] = torch.zeros((), dtype=dtype, device=p.device).expand(numel).detach().requires_grad_()
         return leaves[b]
 
     def take_unreduced(self, b: int) -> torch.Tensor | None:
@@ -136,7 +183,7 @@ class CompiledGroup:
         if any(leaf.grad is not None for leaf in (*self._unreduced.values(), *self._partial.values())):
             raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync or without the all-reduce; "
                                "run a backward with set_requires_gradient_sync(True) and set_requires_all_reduce(True) before moving the model.")
-        self._unreduced, self._partial, self._presence = {}, {}, {}
+        self._unreduced, self._partial, self._presence, self._kept = {}, {}, {}, {}  # (what was kept is gathered again)
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i))
@@ -146,6 +193,29 @@ class CompiledGroup:
         self.buckets = list(buckets.values())
         for b in range(len(self.buckets)):
             self.presence_leaf(b)  # made here, outside any compiled region
+            if not self.reshard_after_backward:
+                self.kept_leaf(b)
+
+
+# set_reshard_after_backward(False): an optimizer step over a group's parameters makes what its
+# backward kept stale (torch's foreach and fused optimizers do not bump version counters).
+_KEEPING: "weakref.WeakSet[CompiledGroup]" = weakref.WeakSet()  # the groups told to keep
+_hooked = [False]
+
+
+def drop_kept_at_steps(group: CompiledGroup) -> None:
+    """From now on every optimizer step over ``group``'s parameters drops what it kept."""
+    _KEEPING.add(group)
+    if not _hooked[0]:
+        register_optimizer_step_post_hook(_stale)
+        _hooked[0] = True
+
+
+def _stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    held = {id(p) for opt_group in optimizer.param_groups for p in opt_group["params"]}
+    for group in list(_KEEPING):
+        if any(id(slot.module._parameters[slot.name]) in held for p in group.params for slot in p.slots[:1]):
+            group.drop_kept()
 
 
 def _take(leaf: torch.Tensor | None) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch.nn as nn
 
 from shardkit.compiled import unused
-from shardkit.compiled.group import CompiledGroup
+from shardkit.compiled.group import CompiledGroup, drop_kept_at_steps
 from shardkit.module import FSDPModule, UnshardHandle
 from shardkit.state import state_of
 
@@ -51,11 +51,12 @@ class CompiledFSDPModule(FSDPModule):
     # settings the graph reads ------------------------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """``True``: backward all-gathers the group again (the graph recomputes the gather);
-        ``False``: forward's unsharded parameters are kept for backward."""
+        ``False``: forward's unsharded parameters are kept for backward. Either replaces an int
+        given to ``fully_shard``, as in eager mode."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for group in _groups(self, recurse):
-            group.reshard_after_forward = reshard_after_forward
+            group.reshard_after_forward, group.post_forward = reshard_after_forward, None
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
@@ -98,10 +99,18 @@ class CompiledFSDPModule(FSDPModule):
         """Accepted; no effect: each compiled backward finishes its reductions in the graph."""
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """``True`` (compiled mode frees the unsharded parameters when the backward graph ends);
-        ``False`` raises: keeping them for the next forward needs state outside the graph."""
-        if not reshard_after_backward:
-            _unavailable("set_reshard_after_backward(False)", "the backward graph frees the unsharded parameters it gathered")
+        """``False``: backward keeps each bucket's all-gather output (in the ``.grad`` of a leaf
+        of the group's) and the next forward uses it instead of all-gathering, as FSDP2's
+        gradient accumulation without re-gathering; an optimizer step over the group's
+        parameters, ``load_state_dict``, ``.to()`` or ``reshard()`` drops it, and the next
+        forward all-gathers the shards as they are then (FSDP2 would use the stale parameters
+        after a step). ``True`` (the default): the backward graph frees them. One graph for a
+        backward that keeps, one for a forward that uses what was kept."""
+        for group in _groups(self, recurse):
+            group.reshard_after_backward = bool(reshard_after_backward)
+            for b in range(len(group.buckets)) if not reshard_after_backward else ():
+                group.kept_leaf(b)  # made here, outside any compiled region
+            drop_kept_at_steps(group)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Accepted; no effect: the graph all-gathers the group at its forward, overlapped
@@ -110,7 +119,9 @@ class CompiledFSDPModule(FSDPModule):
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
-        """Accepted; no effect: outside the graph only the sharded parameters exist."""
+        """Frees what a backward kept (``set_reshard_after_backward(False)``); otherwise there
+        is nothing to free: outside the graph only the sharded parameters exist."""
+        self._shardkit().drop_kept()
 
     def set_post_optim_event(self, event: Any) -> None:
         """Accepted; no effect: the graph runs on the stream the optimizer ran on."""

@@ -9,6 +9,9 @@ which orders the graph as eager shardkit's schedule, in forward and in backward 
 - each group's all-gather, with the copy-in that feeds it, is issued right after the previous
   group's all-gather is waited for: it runs during the previous group's compute;
 - each all-gather is waited for just before the first op that reads it;
+- ``reshard_after_forward=R`` gathers a group in two steps in forward (gather.py): the second
+  step is the one above, and the first (1/R of the bytes) is issued when the previous group's
+  first step arrived, one group earlier, and waited for just before the second;
 - each reduce-scatter is waited for (with what reads it: the division, the cast) just before
   the next reduce-scatter is issued, the last one at the end of the graph: one reduce-scatter
   in flight during the next group's backward compute.
@@ -54,11 +57,17 @@ def overlapped(ops: list[Op]) -> list[int]:
     wait_of = {d: i for i, op in enumerate(ops) if op.kind == WAIT for d in op.deps if ops[d].kind in (GATHER, SCATTER)}
     gathers = [i for i in wait_of if ops[i].kind == GATHER]
     scatters = [i for i in wait_of if ops[i].kind == SCATTER]
+    fed = {g: f for g in gathers if (f := _gather_fed_by(wait_of[g], ops, users)) is not None}  # reshard_after_forward=R's first step -> its second
     place = [float(i) for i in range(n)]
     for g in gathers:  # waited for just before the first op that reads it
         place[wait_of[g]] = min(users[wait_of[g]], default=n) - 0.5
-    for previous, g in zip(gathers, gathers[1:]):  # issued right after the previous group's wait
+    last = [g for g in gathers if g not in fed]  # what the modules read
+    for previous, g in zip(last, last[1:]):  # issued right after the previous group's wait
         place[g] = min(place[g], place[wait_of[previous]] + 0.25)
+    for first, g in fed.items():  # a first step is waited for before the step it feeds...
+        place[wait_of[first]] = min(place[wait_of[first]], place[g])
+    for previous, g in zip(fed, list(fed)[1:]):  # ...and issued when the previous group's first step arrived
+        place[g] = min(place[g], place[wait_of[previous]] + 0.1)
     for rs, following in zip(scatters, scatters[1:] + [None]):  # waited for before the next one
         late = n if following is None else following - 0.5
         for j in _downstream(wait_of[rs], users):
@@ -70,6 +79,20 @@ def overlapped(ops: list[Op]) -> list[int]:
         for d in ops[i].deps:
             place[d] = min(place[d], place[i])
     return sorted(range(n), key=lambda i: (place[i], i))
+
+
+def _gather_fed_by(wait: int, ops: list[Op], users: list[list[int]], limit: int = 16) -> int | None:
+    """The all-gather that reads what the all-gather waited for by ``wait`` gathered, through
+    ops that are no collective (a view, a copy), looking at most ``limit`` ops ahead; or None."""
+    seen, todo = {wait}, [wait]
+    while todo and len(seen) <= limit:
+        for u in users[todo.pop(0)]:
+            if ops[u].kind == GATHER:
+                return u
+            if not ops[u].kind and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return None
 
 
 def _downstream(start: int, users: list[list[int]]) -> set[int]:

@@ -93,7 +93,8 @@ def group_layout(group: CompiledGroup) -> tuple:
     buckets = tuple((tuple(b.indices), tuple(b.numels), str(b.param_dtype), str(b.reduce_dtype)) for b in group.buckets)
     params = tuple((p.padded_rows, tuple(p.layout.unsharded_padded_shape), p.shape[0]) for p in group.params)
     replicate = (group.replicate.pg_name, group.replicate.world) if group.replicate is not None else None
-    return (group.shard.pg_name, group.shard.world, replicate, buckets, params, str(group.mp_policy))
+    post_forward = tuple((c.pg_name, c.world) for c in group.post_forward) if group.post_forward is not None else None
+    return (group.shard.pg_name, group.shard.world, replicate, post_forward, buckets, params, str(group.mp_policy))
 
 
 def eligible(group: CompiledGroup) -> bool:
@@ -137,17 +138,24 @@ def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
     shards, kept = gather_inputs(group, settings)
     if torch.is_grad_enabled():
         shards = _Reductions.apply(group, settings, *shards)
-    _trace_gathers(group, shards[0], done=False)
+    n = len(group.buckets)
+    reused = [r is not None for r in kept[3 * n : 4 * n]]  # gather_inputs's ``reuse``: no all-gather for those buckets
+    _trace_gathers(group, settings, shards[0], reused, done=False)
     output = _region(module, settings, shards, kept, *args)
     unused.region_ran(group, _key(module, settings, shards, kept, *args))
-    _trace_gathers(group, shards[0], done=True)
+    _trace_gathers(group, settings, shards[0], reused, done=True)
     return output
 
 
-def _trace_gathers(group: CompiledGroup, x: torch.Tensor, done: bool) -> None:
-    if group.shard.world > 1:
-        for bucket in group.buckets:
-            torch.ops.shardkit.trace_collective(x, "all_gather", group.name, group.shard.world, group.shard.mesh_dim, done, sum(bucket.numels), bucket.param_dtype)
+def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, reused: list[bool], done: bool) -> None:
+    """The region's all-gathers (two steps each with ``reshard_after_forward=R``: gather.py)."""
+    if group.shard.world == 1:
+        return
+    steps = [(group.shard, 1)] if not settings.post_forward else [(group.post_forward.across, 1), (group.post_forward.within, group.post_forward.across.world)]
+    for bucket, skip in zip(group.buckets, reused):
+        for comm, inputs_per_rank in steps if not skip else ():
+            numel = sum(bucket.numels) * inputs_per_rank  # the step's input
+            torch.ops.shardkit.trace_collective(x, "all_gather", group.name, comm.world, comm.mesh_dim, done, numel, bucket.param_dtype)
 
 
 class _Reductions(torch.autograd.Function):

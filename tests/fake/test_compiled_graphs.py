@@ -141,7 +141,6 @@ def test_parameters_and_state_dict_are_eager_modes():
 
 
 @pytest.mark.parametrize("kwargs, what", [
-    (dict(reshard_after_forward=2), "reshard_after_forward=2"),
     (dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
     (dict(shard_placement_fn=lambda p: Shard(1)), "shard_placement_fn"),
 ])

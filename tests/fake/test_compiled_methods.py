@@ -79,14 +79,40 @@ def test_what_compiled_mode_cannot_do_raises_naming_the_method(method):
             getattr(model, method)(*RAISING[method])
 
 
-@pytest.mark.parametrize("call", ["set_reshard_after_backward(False)"])
-def test_settings_compiled_mode_cannot_take_raise_naming_them(call):
+def test_not_resharding_after_backward_keeps_the_gathered_rows_until_the_shards_change():
+    """set_reshard_after_backward(False) (recursive): a forward after a backward all-gathers
+    nothing (one more graph, then no recompilation); an optimizer step, load_state_dict and
+    reshard() on each module drop what was kept, and the next forward gathers again with
+    the first graph; True frees it at the next backward."""
     with fake_world(8) as mesh:
-        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
-        name = call.split("(")[0]
-        getattr(model, name)(True)  # the default: accepted
-        with pytest.raises(NotImplementedError, match=f"{name}\\(False\\)"):
-            getattr(model, name)(False)
+        torch._dynamo.reset()
+        recording = Recording()
+        sharded = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        model = torch.compile(sharded, fullgraph=True, backend=recording)
+        optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        groups = shardkit.compiled.module._groups(sharded, True)
+
+        def step() -> tuple[int, int]:
+            """(forward all-gathers, dynamo graphs so far)"""
+            with shardkit.trace() as t:
+                loss = model(*batch())[1]
+            loss.backward()
+            return len(t.collectives("all_gather")), recording.dynamo_graphs
+
+        sharded.set_reshard_after_backward(False)
+        assert [step() for _ in range(3)] == [(3, 1), (0, 2), (0, 2)]
+        optimizer.step()
+        assert [step() for _ in range(2)] == [(3, 2), (0, 2)]
+        for m in sharded.modules():
+            if isinstance(m, CompiledFSDPModule):
+                m.reshard()
+        assert step() == (3, 2)
+        sharded.load_state_dict(sharded.state_dict())
+        assert step() == (3, 2)
+        assert step() == (0, 2)
+        sharded.set_reshard_after_backward(True)
+        assert step()[0] == 0 and all(leaf.grad is None for g in groups for leaf in g._kept.values())
+        assert step()[0] == 3
 
 
 def test_a_new_setting_compiles_one_more_graph_and_a_setting_seen_before_none():

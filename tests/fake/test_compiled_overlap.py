@@ -50,15 +50,7 @@ def in_flight(spans_: list[tuple[int, int]]) -> int:
 
 
 def test_inductor_overlaps_each_groups_collectives_with_the_neighbouring_groups_compute():
-    with fake_world(8) as mesh, torch._inductor.config.patch(compile_threads=1):
-        torch._dynamo.reset()
-        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True)
-
-        def step():
-            model(*batch())[1].backward()
-
-        _, codes = run_and_get_code(step)
-    forward, backward = (events(code) for code in codes)
+    forward, backward = compiled_events()
     # forward: the root's, then each block's all-gather; each after the first is issued once
     # the previous one has arrived and arrives during that group's compute (one in flight, two
     # groups unsharded: the one computing, the one arriving)
@@ -79,3 +71,30 @@ def test_inductor_overlaps_each_groups_collectives_with_the_neighbouring_groups_
 
 def spans_of(found, kind: str) -> list:
     return [f for f in found if f[0] == kind]
+
+
+def test_in_two_steps_each_blocks_gather_overlaps_the_previous_groups_compute():
+    """reshard_after_forward=2 (every group, the root too): forward gathers each group in two
+    steps (shardkit/compiled/gather.py). The blocks' second steps, and blocks.1's first, run
+    during the previous group's compute; only the root's, the first thing the step needs, and
+    blocks.0's first (issued with them) wait with nothing to hide behind. Backward gathers in
+    one step (among 2 ranks), overlapped as without the setting."""
+    forward, backward = compiled_events(reshard_after_forward=2)
+    gathers = spans(forward, "all_gather_into_tensor")
+    assert len(gathers) == 6
+    assert [computes_between(forward, s, e) > 0 for s, e in gathers] == [False] * 3 + [True] * 3, forward
+    assert in_flight(gathers) <= 2
+    gathers, scatters = spans(backward, "all_gather_into_tensor"), spans(backward, "reduce_scatter_tensor")
+    assert len(gathers) == 3 and len(scatters) == 3
+    assert all(computes_between(backward, s, e) > 0 for s, e in gathers[1:] + scatters[:-1]), backward
+    assert in_flight(gathers) == 1 and in_flight(scatters) == 1
+
+
+def compiled_events(**kwargs) -> tuple[list, list]:
+    """The forward's and the backward's events of one inductor-compiled step of the GPT."""
+    with fake_world(8) as mesh, torch._inductor.config.patch(compile_threads=1):
+        torch._dynamo.reset()
+        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh, **kwargs), fullgraph=True)
+        _, codes = run_and_get_code(lambda: model(*batch())[1].backward())
+    forward, backward = (events(code) for code in codes)
+    return forward, backward

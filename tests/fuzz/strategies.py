@@ -19,14 +19,14 @@ def own_shard_size(world: int) -> int:
 def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
     tied across groups), for the tier that only compares with FSDP2. One in five shards
-    shardkit's side in compiled mode, with only what that mode takes: a bool
-    reshard_after_forward and no mesh of a parameter's own; half of those run the blocks as
+    shardkit's side in compiled mode, with only what that mode takes: no mesh of a
+    parameter's own; half of those run the blocks as
     nested compile regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
     (``Spec.optim``)."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
     mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
     shard_size = world // 2 if mesh == "hsdp" else world
-    ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0 and not compiled]  # reshard to R ranks after forward
+    ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0]  # reshard to R ranks after forward
     reshard = draw(st.sampled_from([True, False, *ints]))
     return Spec(
         blocks=draw(st.sampled_from([2, 3])),
@@ -100,7 +100,7 @@ COMPILED_KNOBS = {  # the settings compiled mode takes, and the values it takes 
     "force_sum_reduction_for_comms": st.booleans(),
     "requires_gradient_sync": st.booleans(),
     "requires_all_reduce": st.booleans(),
-    "reshard_after_backward": st.just(True),
+    "reshard_after_backward": st.booleans(),
 }
 
 

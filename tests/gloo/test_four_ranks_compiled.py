@@ -81,6 +81,42 @@ def compiled_hsdp_accumulation_without_the_all_reduce_matches_eager_bit_for_bit(
     assert_same_bits(runs["regions"], runs["eager"], "HSDP 2x2 without the all-reduce, regions")
 
 
+@checks("shardkit", sim=False)
+def compiled_reshard_after_forward_2_matches_eager_bit_for_bit(mesh, impl):
+    """reshard_after_forward=2 on 4 ranks: forward all-gathers each group in two steps (from the
+    ranks equal modulo 2, what a rank keeps; then from its pair), backward gathers again only
+    within the pair. The GPT compiled as one graph (aot_eager) and with its blocks as nested
+    compile regions trains to eager shardkit's bits with the same setting, and to the
+    reference's numbers; the trace shows where each all-gather ran."""
+    import shardkit
+    import shardkit.compiled
+    from compiled_parity import assert_same_bits, regions
+
+    runs = {}
+    for mode, fully_shard, as_regions in (("eager", shardkit.fully_shard, False), ("compiled", shardkit.compiled.fully_shard, False),
+                                          ("regions", shardkit.compiled.fully_shard, True)):
+        torch._dynamo.reset()
+        with regions() if as_regions else contextlib.nullcontext():
+            p = Parity.build(small_gpt, lambda model: apply_fully_shard(model, fully_shard, mesh=mesh, reshard_after_forward=2), mesh, "compiled", loss_of=gpt_loss)
+            sharded = p.model
+            if mode != "eager":
+                p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
+                assert all(b._shardkit_state.region is as_regions for b in sharded.blocks)
+            batches = gpt_batches(3)
+            with shardkit.trace() as t:
+                p.forward_backward(batches[0])
+            p.assert_grads_match()
+            p.optimizer_step()
+            p.train(batches[1:])
+            p.assert_params_match()
+        runs[mode] = p
+        if mode != "eager":  # every group (the root too: apply_fully_shard gives it the setting) in two steps
+            gathers = [(e.group, e.mesh_dim[-2:], e.world) for e in t.collectives("all_gather")]  # (mesh dims "<shard dim>%2", "<shard dim>/2")
+            assert gathers == [(g, dim, 2) for g in ("", "blocks.0", "blocks.1") for dim in ("%2", "/2")], gathers
+    assert_same_bits(runs["compiled"], runs["eager"], "reshard_after_forward=2")
+    assert_same_bits(runs["regions"], runs["eager"], "reshard_after_forward=2, regions")
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_compiled_mode_on_four_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)

@@ -37,6 +37,24 @@ def forward(groups: int) -> Graph:
     return g
 
 
+def forward_in_two_steps(groups: int) -> Graph:
+    """``reshard_after_forward=R``: each group all-gathers what it keeps (``first``), then the
+    rest from it (``ag``), then computes twice."""
+    g = Graph()
+    g.add("x")
+    last = "x"
+    for k in range(groups):
+        g.add(f"copy{k}")
+        g.add(f"first{k}", f"copy{k}", kind=GATHER)
+        g.add(f"fw{k}", f"first{k}", kind=WAIT)
+        g.add(f"ag{k}", f"fw{k}", kind=GATHER)
+        g.add(f"w{k}", f"ag{k}", kind=WAIT)
+        g.add(f"mm{k}a", last, f"w{k}")
+        g.add(f"mm{k}b", f"mm{k}a", f"w{k}")
+        last = f"mm{k}b"
+    return g
+
+
 def backward(groups: int) -> Graph:
     """As the partitioner places them: each group re-gathers right before its backward compute,
     then reduce-scatters its gradient, which is waited for, divided and returned at once."""
@@ -57,6 +75,15 @@ def backward(groups: int) -> Graph:
 def test_each_all_gather_is_issued_before_the_previous_groups_compute_and_waited_for_at_its_first_use():
     order = forward(3).order()
     assert order == ["x", "copy0", "ag0", "w0", "copy1", "ag1", "mm0a", "mm0b", "w1", "copy2", "ag2", "mm1a", "mm1b", "w2", "mm2a", "mm2b"]
+
+
+def test_in_two_steps_the_second_overlaps_the_previous_groups_compute_and_the_first_one_group_earlier():
+    """reshard_after_forward=R: group k's second step (``ag``) runs during group k-1's compute,
+    as a one-step gather does; its first step (what the second reads) is issued when group
+    k-1's first step arrived, so it too runs during group k-2's compute, at most two in flight."""
+    order = forward_in_two_steps(3).order()
+    assert order == ["x", "copy0", "first0", "fw0", "copy1", "first1", "ag0", "w0", "fw1", "ag1", "copy2", "first2", "mm0a", "mm0b",
+                     "w1", "fw2", "ag2", "mm1a", "mm1b", "w2", "mm2a", "mm2b"]
 
 
 def test_each_reduce_scatter_is_waited_for_just_before_the_next_one_the_last_at_the_end():
