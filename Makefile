@@ -75,7 +75,8 @@ test-fast: $(STAMP)
 # on a stream), the compiled mode's tests (torch.compile does not trace under the checker's
 # dispatch mode).
 COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py \
-	tests/fake/test_compiled_methods.py tests/fake/test_compiled_regions.py tests/fake/test_compiled_post_forward.py
+	tests/fake/test_compiled_methods.py tests/fake/test_compiled_regions.py tests/fake/test_compiled_post_forward.py \
+	tests/fake/test_compiled_extensions.py
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py
 GLOO_LANE = tests/gloo $(SIDE_LANE_TESTS:%=--ignore=%)
 MAIN_LANE = tests --ignore=tests/gloo $(SIDE_LANE_TESTS:%=--ignore=%)

@@ -160,8 +160,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only-overhead", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
-    if args.compile and args.float8:
-        parser.error("--compile takes no --float8 (compiled mode does not take tensor subclasses with all-gather hooks)")
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -206,13 +204,19 @@ def with_optimizers(args: argparse.Namespace, models: dict[str, nn.Module]) -> d
     return {name: Impl(name, m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=foreach)) for name, m in models.items()}
 
 
-def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
-    base = base_model(args)
-    if args.float8:  # torchao's float8 training, its weights all-gathered in float8 (as torchtitan does)
+def float8_if_asked(args: argparse.Namespace, base: GPT) -> GPT:
+    """--float8: torchao's float8 training on the blocks' Linear layers, their weights
+    all-gathered in float8 (as torchtitan does)."""
+    if args.float8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(base, config=f8, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
+    return base
+
+
+def build_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
+    base = float8_if_asked(args, base_model(args))
     models = {
         "shardkit": apply_fully_shard(copy.deepcopy(base), shardkit.fully_shard, mesh=mesh),
         "fsdp2": apply_fully_shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh),
@@ -629,7 +633,7 @@ def compile_blocks(model: nn.Module) -> nn.Module:
 def build_compile_impls(args: argparse.Namespace, mesh) -> dict[str, Impl]:
     """Part 4's seven copies of one GPT, in COMPILE_IMPLS order (the order they compile in); nothing
     compiles before its first step."""
-    base = base_model(args)
+    base = float8_if_asked(args, base_model(args))
     if args.regions is not None:
         shardkit.compiled.region.REGIONS_FROM = args.regions
 

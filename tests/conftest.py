@@ -89,6 +89,7 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_regions.py::test_the_trace",
     "tests/fake/test_compiled_regions.py::test_peak_memory",
     "tests/fake/test_compiled_methods.py::test_not_resharding",  # torch.compile, twice
+    "tests/fake/test_compiled_extensions.py::test_float8",  # torch.compile of a float8 model
     "tests/fake/test_compiled_post_forward.py::test_forward",  # torch.compile of the GPT, twice
     "tests/fake/test_compiled_post_forward.py::test_hsdp",
     "tests/fake/test_compiled_post_forward.py::test_peak_memory",

@@ -50,8 +50,13 @@ the next forward uses it instead of all-gathering, until an optimizer step, ``lo
 
 A parameter no rank used keeps ``.grad = None``, as eager mode (unused.py).
 
-Not in this mode (they raise): ``shard_placement_fn``, CPU offload, tensor subclasses with
-FSDP2's all-gather hooks.
+Parameters that all-gather themselves (FSDP2's ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``, torchao's float8 weights): their hooks' inputs travel as bytes in one
+all-gather per group, the unsharded form is what ``fsdp_post_all_gather`` builds, and its
+gradient is reduce-scattered with the group's (gather.py).
+
+Not in this mode (they raise): ``shard_placement_fn``, CPU offload; with parameters that
+all-gather themselves, an int ``reshard_after_forward`` and tensor parallel.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ def fully_shard(
     options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
     sharded = api.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
     own = list(sharded.values())
+    _check_self_gathered(own, reshard_after_forward if post_forward_mesh is not None else None)
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
     group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard, mp_policy, owners, post_forward_mesh)
     _check_owners(group, borrowed)
@@ -136,6 +142,16 @@ def _unsupported(shard_placement_fn: Any, offload_policy: Any) -> None:
         why = "CPU offload"
     if why:
         raise NotImplementedError(f"shardkit.compiled.fully_shard does not take {why}; use shardkit.fully_shard (eager) for it.")
+
+
+def _check_self_gathered(params: list[ShardedParam], post_forward: int | None) -> None:
+    """Parameters that all-gather themselves (fsdp_pre_all_gather) take neither an int
+    reshard_after_forward (as in eager mode and FSDP2) nor tensor parallel here."""
+    for p in params:
+        why = "" if p.extension is None else f"reshard_after_forward={post_forward} (an int)" if post_forward else "tensor parallel" if p.tp_spec is not None else ""
+        if why:
+            raise NotImplementedError(f"shardkit.compiled: {why} with parameter '{p.fqn}' with fsdp_pre_all_gather is not supported; "
+                                      "use shardkit.fully_shard (eager) for it, or a bool reshard_after_forward.")
 
 
 def _borrowed(found: api.Found) -> list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]:

@@ -13,7 +13,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardkit.comm import trace
 from shardkit.comm.collectives import _divide_factors
-from shardkit.compiled.group import CompiledGroup
+from shardkit.compiled.group import CompiledGroup, GraphBucket
+from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam
 
 
@@ -27,7 +28,7 @@ class _GatherGraphBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, reuse: torch.Tensor | None,
-                keep: torch.Tensor | None, group: CompiledGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype, settings: "Settings", traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                keep: torch.Tensor | None, group: CompiledGroup, bucket: GraphBucket, settings: "Settings", traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``unreduced``: without ``settings.sync``, the leaf that keeps the unsharded gradient
         (``CompiledGroup.unreduced_leaf``); with it, what earlier backwards kept (added before the
         reduce-scatter), or None. ``partial`` the same for the all-reduce (``settings.all_reduce``,
@@ -37,11 +38,15 @@ class _GatherGraphBucket(torch.autograd.Function):
         ``settings.keep``, the leaf whose gradient gets this one (``CompiledGroup.kept_leaf``).
         ``traced``: run the trace ops here (False inside a nested compile region, which records
         its collectives outside: region.py). Returns the gathered rows and one zero mark per
-        parameter."""
-        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, reduce_dtype, flat.dtype, settings, traced
+        parameter. A bucket of parameters that all-gather themselves gathers nothing here
+        (``_self_gathered``): its rows are zeros that only carry the gradient (no memory)."""
+        ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, bucket.reduce_dtype, flat.dtype, settings, traced
         marks = presence.new_zeros(presence.shape)
         ctx.marks = marks.numel()
-        gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(param_dtype), flat, group, settings, traced)
+        if bucket.extension:
+            gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard.world)
+        else:
+            gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(bucket.param_dtype), flat, group, settings, traced)
         # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward
         ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None, gathered if settings.keep else None)
         return gathered, marks
@@ -51,7 +56,7 @@ class _GatherGraphBucket(torch.autograd.Function):
         """The gradients of (flat, unreduced, partial, presence), then None for ``reuse``, the
         gathered rows for ``keep`` (``settings.keep``), and None for the rest."""
         unreduced, partial, gathered = ctx.saved_tensors
-        return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 5
+        return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 4
 
 
 def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None) -> tuple:
@@ -216,8 +221,8 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
     partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
     presence = tuple(group.presence_leaf(b) for b, _ in buckets)
-    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) for b, _ in buckets)
-    keep = tuple(group.kept_leaf(b) if s.keep else None for b, s in buckets)
+    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) if not group.buckets[b].extension else None for b, _ in buckets)
+    keep = tuple(group.kept_leaf(b) if s.keep and not group.buckets[b].extension else None for b, s in buckets)
     return shards, unreduced + partial + presence + reuse + keep
 
 
@@ -241,11 +246,13 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         marks = []  # per bucket
         for b, (bucket, s) in enumerate(zip(group.buckets, settings.per_bucket(group))):
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
-            gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], reuse[b], keep[b], group, bucket.param_dtype,
-                                                              bucket.reduce_dtype, s, traced)
+            gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], reuse[b], keep[b], group, bucket, s, traced)
             marks.append(bucket_marks)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
+            if bucket.extension:
+                for k, (i, built) in enumerate(zip(bucket.indices, _self_gathered(group, bucket, shards, traced))):
+                    unsharded[i] = _Attach.apply(unsharded[i], bucket_marks[k], built)
         return unsharded + marks
 
     if settings.reshard and torch.is_grad_enabled():
@@ -264,6 +271,42 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         for k, i in enumerate(bucket.indices):
             marks[i] = bucket_marks[k]
     return list(out[:n]), marks
+
+
+def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, traced: bool) -> list[torch.Tensor]:
+    """The unsharded form of each parameter of ``bucket`` (parameters that all-gather
+    themselves, dtensor/extension.py): each shard's ``fsdp_pre_all_gather`` inputs, all of the
+    bucket's as bytes in ONE all-gather, then ``fsdp_post_all_gather`` on each parameter's
+    outputs (rank-major). No autograd here: ``_Attach`` carries the gradient."""
+    world = group.shard.world
+    with torch.no_grad():
+        hooked = [extension.pre_all_gather(shards[i], group.extension_mesh, group.params[i].shape, group.params[i].slots[0].module,
+                                           group.mp_policy, f"parameter '{group.params[i].fqn}'", group.hook_arity[i]) for i in bucket.indices]
+        inputs = [t.contiguous() for ins, _ in hooked for t in ins]
+        send = torch.cat([t.view(-1).view(torch.uint8) for t in inputs])  # this rank's bytes
+        received = _all_gather(send, group.name, group.shard, traced) if world > 1 else send
+        columns = iter(received.view(world, -1).split([t.numel() * t.element_size() for t in inputs], dim=1))
+        built = []
+        for i, (ins, metadata) in zip(bucket.indices, hooked):
+            outputs = tuple(next(columns).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in ins)  # (world * rows, ...)
+            tensor, _ = shards[i].fsdp_post_all_gather(outputs, metadata, bucket.param_dtype)
+            built.append(tensor if tensor.shape == group.params[i].shape else tensor[: group.params[i].shape[0]])
+    return built
+
+
+class _Attach(torch.autograd.Function):
+    """A self-gathered parameter (``built``) as what autograd sees: its gradient goes to
+    ``carrier``, the parameter's column of its bucket's rows (reduce-scattered as any other),
+    and a one to its ``mark`` (it was used: unused.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, carrier: torch.Tensor, mark: torch.Tensor, built: torch.Tensor) -> torch.Tensor:
+        ctx.dtype, ctx.device = mark.dtype, mark.device
+        return built
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, torch.ones((), dtype=ctx.dtype, device=ctx.device), None
 
 
 def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit.comm.collectives import backend_of
+from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.policies import MixedPrecisionPolicy
 
@@ -29,6 +30,7 @@ class GraphBucket:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     owner: "CompiledGroup | None" = None  # weights tied to an earlier call's: reduced with its settings
+    extension: bool = False  # parameters that all-gather themselves (fsdp_pre_all_gather): gather.py
 
     @property
     def reduced_numel(self) -> int:
@@ -89,6 +91,9 @@ class CompiledGroup:
         self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
         self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
         self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
+        # parameters that all-gather themselves: what their fsdp_pre_all_gather takes (the shard dim's 1-D mesh)
+        self.extension_mesh = extension.shard_mesh(mesh) if any(p.extension is not None for p in params) else None
+        self.hook_arity = {i: extension.pre_all_gather_arity(p.sharded_param._local_tensor) for i, p in enumerate(params) if p.extension is not None}
         # reshard_after_forward=R: the forward's all-gather in two steps, (ranks equal modulo R, R consecutive ranks)
         self.post_forward: PostForward | None = PostForward.of(post_forward_mesh, self.shard) if post_forward_mesh is not None else None
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
@@ -186,7 +191,7 @@ class CompiledGroup:
         self._unreduced, self._partial, self._presence, self._kept = {}, {}, {}, {}  # (what was kept is gathered again)
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
-            key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i))
+            key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i), p.extension is not None)
             bucket = buckets.setdefault(key, GraphBucket([], [], *key))
             bucket.indices.append(i)
             bucket.numels.append(p.shard_numel)

@@ -99,8 +99,9 @@ def group_layout(group: CompiledGroup) -> tuple:
 
 def eligible(group: CompiledGroup) -> bool:
     """A group can run as a region: one module, not the root, no tensor-parallel parameters,
-    no weight tied to another call's, no other fully_shard call inside it."""
-    if len(group.modules) != 1 or group.parent is None or group.owners or any(p.tp_spec is not None for p in group.params):
+    none that all-gathers itself, no weight tied to another call's, no other fully_shard call
+    inside it."""
+    if len(group.modules) != 1 or group.parent is None or group.owners or any(p.tp_spec is not None or p.extension is not None for p in group.params):
         return False
     module = group.modules[0]
     return all(m.__dict__.get("_shardkit_state") in (None, group) for m in module.modules())

@@ -65,6 +65,23 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return DeviceMesh.from_group(mesh.get_group(mesh.ndim - 1), mesh.device_type)
 
 
+def pre_all_gather_arity(local: torch.Tensor) -> int:
+    """How many arguments ``local.fsdp_pre_all_gather`` takes (1 or 5: ``pre_all_gather``)."""
+    return len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+
+
+def pre_all_gather(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, module: nn.Module, mp_policy, where: str, n_args: int | None = None) -> tuple[Any, Any]:
+    """``local.fsdp_pre_all_gather`` with the arguments its signature takes (``n_args``, if
+    known: dynamo cannot read a signature): (inputs, metadata)."""
+    hook = local.fsdp_pre_all_gather
+    n_args = pre_all_gather_arity(local) if n_args is None else n_args
+    if n_args == 1:
+        return hook(mesh)
+    if n_args == 5:
+        return hook(mesh, shape, contiguous_stride(shape), module, mp_policy)
+    raise TypeError(f"fsdp_pre_all_gather of {where} takes {n_args} arguments; expected (mesh) or (mesh, outer_size, outer_stride, module, mp_policy).")
+
+
 class Extension:
     def __init__(self, where: str, release: bool = False) -> None:
         self.where = where
@@ -81,17 +98,7 @@ class Extension:
     def inputs(self, local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, padded: torch.Size, module: nn.Module, mp_policy) -> list[torch.Tensor]:
         """Call ``fsdp_pre_all_gather`` on the current local shard (``shape``: the unsharded
         parameter's, ``padded``: the padded shard's); its inputs, flat."""
-        hook = local.fsdp_pre_all_gather
-        n_args = len(inspect.signature(hook).parameters)
-        if n_args == 1:
-            inputs, self.metadata = hook(mesh)
-        elif n_args == 5:
-            inputs, self.metadata = hook(mesh, shape, contiguous_stride(shape), module, mp_policy)
-        else:
-            raise TypeError(
-                f"fsdp_pre_all_gather of {self.where} takes {n_args} arguments; expected "
-                "(mesh) or (mesh, outer_size, outer_stride, module, mp_policy)."
-            )
+        inputs, self.metadata = pre_all_gather(local, mesh, shape, module, mp_policy, self.where)
         if local.shape != padded and any(t.shape != padded for t in inputs):
             raise ValueError(
                 f"{self.where} is sharded unevenly (padded shard {tuple(padded)}, this rank's "

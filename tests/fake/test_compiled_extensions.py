@@ -1,0 +1,53 @@
+"""shardkit.compiled with parameters that all-gather themselves (FSDP2's fsdp_pre_all_gather /
+fsdp_post_all_gather) on the fake process group (world 8): what the graphs all-gather, and
+what compiled mode does not take with them. Numbers: tests/gloo/test_compiled_mode_extensions.py."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit
+import shardkit.compiled
+from tests.conftest import fake_world
+from tests.fake.test_compiled_graphs import Recording
+
+
+def float8_model() -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64, bias=False), nn.LayerNorm(64), nn.Linear(64, 32, bias=False)) for _ in range(2)])
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    return model
+
+
+def gathers(gm: torch.fx.GraphModule) -> list[tuple[torch.dtype, int]]:
+    """(dtype, output elements) of each all-gather of a graph, in graph order."""
+    return [(n.meta["val"].dtype, n.meta["val"].numel()) for n in gm.graph.nodes if n.op == "call_function" and "all_gather_into_tensor" in str(n.target)]
+
+
+def test_float8_weights_are_all_gathered_as_their_one_byte_data_and_again_in_backward():
+    """Per block: its two float8 weights' data, 2 x 32 x 64 bytes, in one uint8 all-gather,
+    its LayerNorm in an fp32 one; the blocks reshard after forward, so backward all-gathers the
+    float8 bytes again (the recomputed cast and gather), never the fp32 weights."""
+    with fake_world(8) as mesh:
+        torch._dynamo.reset()
+        recording = Recording()
+        model = float8_model()
+        for block in model:
+            shardkit.compiled.fully_shard(block, mesh=mesh)
+        shardkit.compiled.fully_shard(model, mesh=mesh)
+        torch.compile(model, backend=recording, fullgraph=True)(torch.randn(2, 32)).sum().backward()
+    block = [(torch.uint8, 2 * 32 * 64), (torch.float32, 2 * 64)]
+    assert sorted(gathers(recording.graphs["forward"][0]), key=str) == sorted(block * 2, key=str)
+    assert sorted(gathers(recording.graphs["backward"][0]), key=str) == sorted(block * 2, key=str)
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    (dict(reshard_after_forward=2), "reshard_after_forward=2 \\(an int\\)"),
+])
+def test_what_compiled_mode_does_not_take_with_such_parameters_raises_naming_it(kwargs, what):
+    with fake_world(8) as mesh:
+        model = float8_model()
+        with pytest.raises(NotImplementedError, match=f"{what} with parameter 'weight' with fsdp_pre_all_gather.*shardkit.fully_shard"):
+            shardkit.compiled.fully_shard(model[0], mesh=mesh, **kwargs)
