@@ -104,7 +104,9 @@ class CompiledGroup:
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
         self.marks: list[torch.Tensor] = []  # with them: each parameter's mark (unused.py)
         self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
-        self.uid = id(self)  # unused.register
+        # unused.register; a string: an int that differs between two models' groups would turn
+        # symbolic when dynamo compiles the second (automatic dynamic), and no dict key
+        self.uid = f"group-{id(self)}"
         self.reads: set[int] = set()  # unused.py: what the forward being traced read,
         self.unread: set[int] = set()  # what some traced forward did not read (watched),
         self.hooked: dict[int, torch.Tensor] = {}  # bucket -> its presence leaf with the hook that checks them,

@@ -55,7 +55,7 @@ def reading(group: CompiledGroup, i: int) -> torch.Tensor:
 
 
 @torch._dynamo.allow_in_graph
-def _read(param: torch.Tensor, mark: torch.Tensor, uid: int, i: int) -> torch.Tensor:
+def _read(param: torch.Tensor, mark: torch.Tensor, uid: str, i: int) -> torch.Tensor:
     """In the graph as one call: dynamo runs it (on fake tensors) once while tracing, which
     notes the read as ``read`` would. The demo GPT's first compiled step (aot_eager, best of 3)
     took 1.5 s longer with ``_Read`` and the note traced apart, 0.8 s with this."""
@@ -63,7 +63,7 @@ def _read(param: torch.Tensor, mark: torch.Tensor, uid: int, i: int) -> torch.Te
     return _Read.apply(param, mark)
 
 
-_GROUPS: "weakref.WeakValueDictionary[int, CompiledGroup]" = weakref.WeakValueDictionary()  # by uid
+_GROUPS: "weakref.WeakValueDictionary[str, CompiledGroup]" = weakref.WeakValueDictionary()  # by uid
 
 
 def register(group: CompiledGroup) -> None:

@@ -320,3 +320,16 @@ def test_only_the_parameters_a_forward_did_not_read_are_checked_after_backward()
         assert len(root.unread) == 2 and names(root) == {"Linear.weight", "Linear.bias"}
         assert {root.params[i].slots[0].module for i in root.unread} == {model.spare}
         assert list(root.hooked) == [0]  # the presence leaf of the root's one bucket
+
+
+def test_a_second_model_compiles_in_the_same_process():
+    """Two compiled-mode models of the same code, compiled one after the other (make bench
+    --compile does: with and without the overlap pass): the second recompiles the same frames,
+    and dynamo's automatic dynamic must not turn a value that differs between them (a group's
+    id for unused.py) into a symbolic int; it crashed with "unhashable type: non-nested SymInt"."""
+    with fake_world(WORLD) as mesh:
+        torch._dynamo.reset()
+        for _ in range(2):
+            model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True, backend="aot_eager")
+            model(*batch())[1].backward()
+            assert all(p.grad is not None for p in model.parameters())

@@ -10,31 +10,10 @@ import torch
 import shardkit
 import shardkit.compiled
 from gloo_harness import Checks, run_worker
-from gloo_parity import full, mean_over_ranks
-from test_extensions import STEPS, float8_model
+from gloo_parity import full
+from test_extensions import STEPS, float8_training
 
 checks = Checks()
-
-
-def train_float8(mesh, fully_shard, compiled: bool, reshard_after_forward=None) -> tuple[torch.nn.Module, list[torch.Tensor]]:
-    """The float8 model (2 blocks of Linear, LayerNorm, Linear) sharded per block and at the
-    root, STEPS AdamW steps; the model and the losses (averaged over the ranks)."""
-    torch._dynamo.reset()
-    model = float8_model()
-    for block in model:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, g = [], torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x = torch.randn(16, 32, generator=g).chunk(mesh.size())[mesh.get_local_rank()]
-        loss = run(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(mean_over_ranks(loss.detach(), mesh))
-    return model, losses
 
 
 @checks("shardkit", sim=False)
@@ -45,9 +24,10 @@ def torchao_float8_weights_gather_one_byte_per_element_and_match_eager_bit_for_b
     reduce-scattered with the group's. Resharded after forward (the blocks) or not (the root,
     and every group with False): the same losses and parameters as eager shardkit, bit for bit."""
     for reshard in (None, False):
-        eager_model, eager = train_float8(mesh, shardkit.fully_shard, compiled=False, reshard_after_forward=reshard)
+        eager_model, eager = float8_training(mesh, shardkit.fully_shard, reshard_after_forward=reshard)
+        torch._dynamo.reset()
         with shardkit.trace() as t:
-            model, compiled = train_float8(mesh, shardkit.compiled.fully_shard, compiled=True, reshard_after_forward=reshard)
+            model, compiled = float8_training(mesh, shardkit.compiled.fully_shard, backend="aot_eager", reshard_after_forward=reshard)
         assert [torch.equal(a, b) for a, b in zip(compiled, eager)] == [True] * STEPS, (reshard, compiled, eager)
         for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
             assert torch.equal(full(p.detach()), full(q.detach())), (reshard, name)

@@ -162,21 +162,28 @@ def float8_model() -> nn.Module:
 
 
 def float8_losses(mesh: DeviceMesh, fully_shard, **kwargs) -> list[torch.Tensor]:
+    return float8_training(mesh, fully_shard, **kwargs)[1]
+
+
+def float8_training(mesh: DeviceMesh, fully_shard, backend: str | None = None, **kwargs) -> tuple[nn.Module, list[torch.Tensor]]:
+    """The float8 model sharded per block and at the root (``kwargs`` to each call), compiled
+    whole with ``backend`` if one is given, STEPS AdamW steps: the model and its losses."""
     model = float8_model()
     for block in model:
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = torch.randn(16, 32, generator=g).chunk(mesh.size())[mesh.get_local_rank()]
-        loss = model(x).pow(2).mean()
+        loss = run(x).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(mean_over_ranks(loss.detach(), mesh))
-    return losses
+    return model, losses
 
 
 @checks("shardkit")

@@ -22,32 +22,19 @@ class Graph:
         return [self.names[i] for i in overlapped(self.ops)]
 
 
-def forward(groups: int) -> Graph:
-    """As traced: each group copies its shards in, all-gathers, waits, then computes twice."""
+def forward(groups: int, two_steps: bool = False) -> Graph:
+    """As traced: each group copies its shards in, all-gathers, waits, then computes twice;
+    ``two_steps`` (``reshard_after_forward=R``): it all-gathers what it keeps (``first``), then
+    the rest from it (``ag``)."""
     g = Graph()
     g.add("x")
     last = "x"
     for k in range(groups):
         g.add(f"copy{k}")
-        g.add(f"ag{k}", f"copy{k}", kind=GATHER)
-        g.add(f"w{k}", f"ag{k}", kind=WAIT)
-        g.add(f"mm{k}a", last, f"w{k}")
-        g.add(f"mm{k}b", f"mm{k}a", f"w{k}")
-        last = f"mm{k}b"
-    return g
-
-
-def forward_in_two_steps(groups: int) -> Graph:
-    """``reshard_after_forward=R``: each group all-gathers what it keeps (``first``), then the
-    rest from it (``ag``), then computes twice."""
-    g = Graph()
-    g.add("x")
-    last = "x"
-    for k in range(groups):
-        g.add(f"copy{k}")
-        g.add(f"first{k}", f"copy{k}", kind=GATHER)
-        g.add(f"fw{k}", f"first{k}", kind=WAIT)
-        g.add(f"ag{k}", f"fw{k}", kind=GATHER)
+        if two_steps:
+            g.add(f"first{k}", f"copy{k}", kind=GATHER)
+            g.add(f"fw{k}", f"first{k}", kind=WAIT)
+        g.add(f"ag{k}", f"fw{k}" if two_steps else f"copy{k}", kind=GATHER)
         g.add(f"w{k}", f"ag{k}", kind=WAIT)
         g.add(f"mm{k}a", last, f"w{k}")
         g.add(f"mm{k}b", f"mm{k}a", f"w{k}")
@@ -81,7 +68,7 @@ def test_in_two_steps_the_second_overlaps_the_previous_groups_compute_and_the_fi
     """reshard_after_forward=R: group k's second step (``ag``) runs during group k-1's compute,
     as a one-step gather does; its first step (what the second reads) is issued when group
     k-1's first step arrived, so it too runs during group k-2's compute, at most two in flight."""
-    order = forward_in_two_steps(3).order()
+    order = forward(3, two_steps=True).order()
     assert order == ["x", "copy0", "first0", "fw0", "copy1", "first1", "ag0", "w0", "fw1", "ag1", "copy2", "first2", "mm0a", "mm0b",
                      "w1", "fw2", "ag2", "mm1a", "mm1b", "w2", "mm2a", "mm2b"]
 
