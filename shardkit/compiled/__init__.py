@@ -51,9 +51,9 @@ the next forward uses it instead of all-gathering, until an optimizer step, ``lo
 A parameter no rank used keeps ``.grad = None``, as eager mode (unused.py).
 
 Parameters that all-gather themselves (FSDP2's ``fsdp_pre_all_gather`` /
-``fsdp_post_all_gather``, torchao's float8 weights): their hooks' inputs travel as bytes in one
-all-gather per group, the unsharded form is what ``fsdp_post_all_gather`` builds, and its
-gradient is reduce-scattered with the group's (gather.py).
+``fsdp_post_all_gather``, torchao's float8 weights): their hooks' inputs and the group's other
+shards travel as bytes in one all-gather, the unsharded form is what ``fsdp_post_all_gather``
+builds, and its gradient is reduce-scattered with the group's (gather.py).
 
 Not in this mode (they raise): ``shard_placement_fn``, CPU offload; with parameters that
 all-gather themselves, an int ``reshard_after_forward`` and tensor parallel.
@@ -146,12 +146,15 @@ def _unsupported(shard_placement_fn: Any, offload_policy: Any) -> None:
 
 def _check_self_gathered(params: list[ShardedParam], post_forward: int | None) -> None:
     """Parameters that all-gather themselves (fsdp_pre_all_gather) take neither an int
-    reshard_after_forward (as in eager mode and FSDP2) nor tensor parallel here."""
-    for p in params:
-        why = "" if p.extension is None else f"reshard_after_forward={post_forward} (an int)" if post_forward else "tensor parallel" if p.tp_spec is not None else ""
-        if why:
-            raise NotImplementedError(f"shardkit.compiled: {why} with parameter '{p.fqn}' with fsdp_pre_all_gather is not supported; "
-                                      "use shardkit.fully_shard (eager) for it, or a bool reshard_after_forward.")
+    reshard_after_forward (as in eager mode and FSDP2) nor tensor parallel in their group here."""
+    hooked = next((p for p in params if p.extension is not None), None)
+    if hooked is None:
+        return
+    tp = next((p for p in params if p.tp_spec is not None), None)
+    why = f"reshard_after_forward={post_forward} (an int)" if post_forward else f"tensor parallel (parameter '{tp.fqn}')" if tp is not None else ""
+    if why:
+        raise NotImplementedError(f"shardkit.compiled: {why} with parameter '{hooked.fqn}' with fsdp_pre_all_gather is not supported; "
+                                  "use shardkit.fully_shard (eager) for it, or a bool reshard_after_forward.")
 
 
 def _borrowed(found: api.Found) -> list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]:

@@ -38,12 +38,12 @@ class _GatherGraphBucket(torch.autograd.Function):
         ``settings.keep``, the leaf whose gradient gets this one (``CompiledGroup.kept_leaf``).
         ``traced``: run the trace ops here (False inside a nested compile region, which records
         its collectives outside: region.py). Returns the gathered rows and one zero mark per
-        parameter. A bucket of parameters that all-gather themselves gathers nothing here
-        (``_self_gathered``): its rows are zeros that only carry the gradient (no memory)."""
+        parameter. A bucket that gathers bytes (``bucket.as_bytes``) gathers nothing here
+        (``_self_gathered`` does): its rows are zeros that only carry the gradient (no memory)."""
         ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, bucket.reduce_dtype, flat.dtype, settings, traced
         marks = presence.new_zeros(presence.shape)
         ctx.marks = marks.numel()
-        if bucket.extension:
+        if bucket.as_bytes:
             gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard.world)
         else:
             gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(bucket.param_dtype), flat, group, settings, traced)
@@ -221,8 +221,8 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
     partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
     presence = tuple(group.presence_leaf(b) for b, _ in buckets)
-    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) if not group.buckets[b].extension else None for b, _ in buckets)
-    keep = tuple(group.kept_leaf(b) if s.keep and not group.buckets[b].extension else None for b, s in buckets)
+    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) if not group.buckets[b].as_bytes else None for b, _ in buckets)
+    keep = tuple(group.kept_leaf(b) if s.keep and not group.buckets[b].as_bytes else None for b, s in buckets)
     return shards, unreduced + partial + presence + reuse + keep
 
 
@@ -250,7 +250,7 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
             marks.append(bucket_marks)
             for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
                 unsharded[i] = _unsharded(column, group.params[i])
-            if bucket.extension:
+            if bucket.as_bytes:
                 for k, (i, built) in enumerate(zip(bucket.indices, _self_gathered(group, bucket, shards, traced))):
                     unsharded[i] = _Attach.apply(unsharded[i], bucket_marks[k], built)
         return unsharded + marks
@@ -274,28 +274,40 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
 
 
 def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, traced: bool) -> list[torch.Tensor]:
-    """The unsharded form of each parameter of ``bucket`` (parameters that all-gather
-    themselves, dtensor/extension.py): each shard's ``fsdp_pre_all_gather`` inputs, all of the
-    bucket's as bytes in ONE all-gather, then ``fsdp_post_all_gather`` on each parameter's
-    outputs (rank-major). No autograd here: ``_Attach`` carries the gradient."""
+    """The unsharded form of each parameter of a bucket that gathers bytes: for a parameter
+    that all-gathers itself (dtensor/extension.py), its shard's ``fsdp_pre_all_gather`` inputs,
+    for the others the padded shard in param_dtype, all as bytes in ONE all-gather (as eager
+    mode); then ``fsdp_post_all_gather`` on each such parameter's outputs (rank-major), the
+    others' columns viewed back. No autograd here: ``_Attach`` carries the gradient."""
     world = group.shard.world
     with torch.no_grad():
-        hooked = [extension.pre_all_gather(shards[i], group.extension_mesh, group.params[i].shape, group.params[i].slots[0].module,
-                                           group.mp_policy, f"parameter '{group.params[i].fqn}'", group.hook_arity[i]) for i in bucket.indices]
-        inputs = [t.contiguous() for ins, _ in hooked for t in ins]
+        sent = [_send(group, i, shards[i], bucket.param_dtype) for i in bucket.indices]  # (inputs, metadata) per parameter
+        inputs = [t.contiguous() for ins, _ in sent for t in ins]
         send = torch.cat([t.view(-1).view(torch.uint8) for t in inputs])  # this rank's bytes
         received = _all_gather(send, group.name, group.shard, traced) if world > 1 else send
         columns = iter(received.view(world, -1).split([t.numel() * t.element_size() for t in inputs], dim=1))
         built = []
-        for i, (ins, metadata) in zip(bucket.indices, hooked):
+        for i, (ins, metadata) in zip(bucket.indices, sent):
+            p = group.params[i]
+            if p.extension is None:
+                built.append(_unsharded(next(columns).contiguous().view(bucket.param_dtype), p))  # (world, shard_numel) -> the parameter
+                continue
             outputs = tuple(next(columns).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in ins)  # (world * rows, ...)
             tensor, _ = shards[i].fsdp_post_all_gather(outputs, metadata, bucket.param_dtype)
-            built.append(tensor if tensor.shape == group.params[i].shape else tensor[: group.params[i].shape[0]])
+            built.append(tensor if tensor.shape == p.shape else tensor[: p.shape[0]])
     return built
 
 
+def _send(group: CompiledGroup, i: int, shard: torch.Tensor, param_dtype: torch.dtype) -> tuple[list[torch.Tensor], Any]:
+    """What parameter ``i`` sends in a bucket of bytes: its hook's inputs and metadata, or its padded shard."""
+    p = group.params[i]
+    if p.extension is None:
+        return [_padded(shard, p).reshape(-1).to(param_dtype)], None
+    return extension.pre_all_gather(shard, group.extension_mesh, p.shape, p.slots[0].module, group.mp_policy, f"parameter '{p.fqn}'", group.hook_arity[i])
+
+
 class _Attach(torch.autograd.Function):
-    """A self-gathered parameter (``built``) as what autograd sees: its gradient goes to
+    """A parameter gathered as bytes (``built``) as what autograd sees: its gradient goes to
     ``carrier``, the parameter's column of its bucket's rows (reduce-scattered as any other),
     and a one to its ``mark`` (it was used: unused.py)."""
 

@@ -30,7 +30,9 @@ class GraphBucket:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     owner: "CompiledGroup | None" = None  # weights tied to an earlier call's: reduced with its settings
-    extension: bool = False  # parameters that all-gather themselves (fsdp_pre_all_gather): gather.py
+    # A group with parameters that all-gather themselves (fsdp_pre_all_gather): all its buckets
+    # gather bytes, those parameters' hook inputs and the others' shards (gather._self_gathered)
+    as_bytes: bool = False
 
     @property
     def reduced_numel(self) -> int:
@@ -193,7 +195,7 @@ class CompiledGroup:
         self._unreduced, self._partial, self._presence, self._kept = {}, {}, {}, {}  # (what was kept is gathered again)
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
-            key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i), p.extension is not None)
+            key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i), self.extension_mesh is not None)
             bucket = buckets.setdefault(key, GraphBucket([], [], *key))
             bucket.indices.append(i)
             bucket.numels.append(p.shard_numel)

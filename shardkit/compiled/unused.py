@@ -48,7 +48,7 @@ class _Read(torch.autograd.Function):
 def reading(group: CompiledGroup, i: int) -> torch.Tensor:
     """Parameter ``i`` as its group's forward reads it (the gathered tensor, marked as read)."""
     param, mark = group.gathered[i], group.marks[i]
-    if not (torch.is_grad_enabled() and mark.requires_grad) or group.params[i].extension is not None:  # (the latter: marked by gather._Attach)
+    if not (torch.is_grad_enabled() and mark.requires_grad) or group.extension_mesh is not None:  # (the latter: gathered as bytes, marked by gather._Attach)
         read(group, i)
         return param
     return _read(param, mark, group.uid, i)

@@ -27,9 +27,10 @@ def gathers(gm: torch.fx.GraphModule) -> list[tuple[torch.dtype, int]]:
 
 
 def test_float8_weights_are_all_gathered_as_their_one_byte_data_and_again_in_backward():
-    """Per block: its two float8 weights' data, 2 x 32 x 64 bytes, in one uint8 all-gather,
-    its LayerNorm in an fp32 one; the blocks reshard after forward, so backward all-gathers the
-    float8 bytes again (the recomputed cast and gather), never the fp32 weights."""
+    """Per block, ONE uint8 all-gather, as eager mode: its two float8 weights' data (2 x 32 x
+    64 bytes) and its LayerNorm's fp32 (2 x 64 x 4 bytes); the blocks reshard after forward, so
+    backward all-gathers those bytes again (the recomputed cast and gather), never the float8
+    weights in fp32."""
     with fake_world(8) as mesh:
         torch._dynamo.reset()
         recording = Recording()
@@ -38,9 +39,9 @@ def test_float8_weights_are_all_gathered_as_their_one_byte_data_and_again_in_bac
             shardkit.compiled.fully_shard(block, mesh=mesh)
         shardkit.compiled.fully_shard(model, mesh=mesh)
         torch.compile(model, backend=recording, fullgraph=True)(torch.randn(2, 32)).sum().backward()
-    block = [(torch.uint8, 2 * 32 * 64), (torch.float32, 2 * 64)]
-    assert sorted(gathers(recording.graphs["forward"][0]), key=str) == sorted(block * 2, key=str)
-    assert sorted(gathers(recording.graphs["backward"][0]), key=str) == sorted(block * 2, key=str)
+    block = (torch.uint8, 2 * 32 * 64 + 2 * 64 * 4)
+    assert gathers(recording.graphs["forward"][0]) == [block] * 2
+    assert gathers(recording.graphs["backward"][0]) == [block] * 2
 
 
 @pytest.mark.parametrize("kwargs, what", [
