@@ -48,6 +48,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 CHECK_TIMEOUT_S = 10  # a check's collective that another rank never joins raises after this long
+# ... in a module of torch.compile checks (``Checks(compiling=True)``): each rank compiles a graph
+# when it first runs it (AOTAutograd: the backward at the first backward), and under make
+# test's load two ranks' compiles of one graph ended more than 10 s apart, so the first to reach
+# the graph's next collective timed out waiting for the other (seen in a clean make test)
+COMPILING_CHECK_TIMEOUT_S = 40
 SYNC_TIMEOUT_S = 60  # ranks wait this long for each other between checks: longer than the above
 TIMEOUT_S = 150  # a module that runs longer is killed with its ranks (the first includes start-up; compiling modules take 2-2.5x their time alone under make test's load)
 PASSED = "passed"
@@ -75,10 +80,12 @@ SIM_SUMMARY = re.compile(r"sim streams: (\d+) accesses checked, (\d+) cross-stre
 class Checks:
     """A registry of ``fn(mesh, impl)`` checks, each run once per implementation given.
     ``sim=False``: not under simulated streams (torch.compile does not trace under the
-    checker's dispatch mode)."""
+    checker's dispatch mode). ``compiling``: the checks compile graphs, and their collectives
+    wait ``COMPILING_CHECK_TIMEOUT_S`` for the other ranks instead of ``CHECK_TIMEOUT_S``."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiling: bool = False) -> None:
         self._fns: dict[str, tuple[Callable[[DeviceMesh, str], None], tuple[str, ...]]] = {}
+        self.collective_timeout_s = COMPILING_CHECK_TIMEOUT_S if compiling else CHECK_TIMEOUT_S
 
     def __call__(self, *impls: str, sim: bool = True) -> Callable:
         def register(fn: Callable[[DeviceMesh, str], None]) -> Callable:
@@ -173,7 +180,7 @@ def _run_plan(out_dir: Path, init_file: str, steps: list[tuple[str, Callable[[],
             case_start = time.monotonic()
             # A fresh process group per check: a collective left unmatched by a failing check
             # cannot pair with the next check's, and only times out on its own group.
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=checks.collective_timeout_s))
             mesh = DeviceMesh.from_group(group, "cpu")
             try:
                 checks.run(case, mesh)

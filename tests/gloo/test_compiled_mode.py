@@ -18,7 +18,7 @@ from gloo_harness import Checks, run_worker
 from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
 from shardkit.policies import MixedPrecisionPolicy
 
-checks = Checks()
+checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
 
 @checks("shardkit", sim=False)

@@ -13,7 +13,7 @@ from gloo_harness import Checks, run_worker
 from gloo_parity import full
 from test_extensions import STEPS, float8_training
 
-checks = Checks()
+checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
 
 @checks("shardkit", sim=False)

@@ -7,7 +7,7 @@ import pytest
 from compiled_parity import train
 from gloo_harness import Checks, run_worker
 
-checks = Checks()
+checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
 
 @checks("shardkit", sim=False)

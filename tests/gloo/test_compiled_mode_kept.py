@@ -13,7 +13,7 @@ from compiled_parity import assert_same_bits, regions, shard
 from gloo_harness import Checks, run_worker
 from gloo_parity import Parity, gpt_batches, gpt_loss, local, small_gpt
 
-checks = Checks()
+checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
 
 @checks("shardkit", sim=False)

@@ -10,7 +10,7 @@ from compiled_parity import STEPS, assert_same_bits, regions, shard, train
 from gloo_harness import Checks, run_worker
 from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
 
-checks = Checks()
+checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
 
 @checks("shardkit", sim=False)

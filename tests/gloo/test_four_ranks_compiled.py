@@ -13,7 +13,7 @@ from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
 from shardkit.models.gpt import apply_fully_shard
 
 GLOO_WORLD = 4
-checks = Checks()
+checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
 
 @checks("shardkit", sim=False)
