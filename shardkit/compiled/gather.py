@@ -215,8 +215,7 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
     """The group's shards as the modules hold them now, and what ``_GatherGraphBucket`` takes as
     ``unreduced`` (per bucket), as ``partial`` (per bucket: the kept sums or the leaves), as
     ``presence``, as ``reuse`` and as ``keep`` (per bucket each)."""
-    registered = [p.slots[0].module._parameters[p.slots[0].name] for p in group.params]  # what the modules hold now
-    shards = tuple(param.to_local() for param in registered)
+    shards = tuple(param.to_local() for param in group.registered())
     buckets = list(enumerate(settings.per_bucket(group)))
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
     partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
@@ -224,6 +223,12 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
     reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) if not group.buckets[b].as_bytes else None for b, _ in buckets)
     keep = tuple(group.kept_leaf(b) if s.keep and not group.buckets[b].as_bytes else None for b, s in buckets)
     return shards, unreduced + partial + presence + reuse + keep
+
+
+def reused(group: CompiledGroup, kept: tuple) -> list[bool]:
+    """Per bucket, whether ``gather_inputs``'s ``kept`` hands it a ``reuse`` (no all-gather)."""
+    n = len(group.buckets)
+    return [r is not None for r in kept[3 * n : 4 * n]]
 
 
 def gather(group: CompiledGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

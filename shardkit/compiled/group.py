@@ -148,6 +148,10 @@ class CompiledGroup:
         (divided as the gradients are: only whether it is zero counts; unused.py)."""
         return self._leaf(self._presence, b, len(self.buckets[b].indices))
 
+    def registered(self) -> list[torch.Tensor]:
+        """The sharded parameters as the modules hold them now (``.to()`` may have swapped them)."""
+        return [p.slots[0].module._parameters[p.slots[0].name] for p in self.params]
+
     def kept_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for backwards that do not reshard (``set_reshard_after_backward(False)``):
         its ``.grad`` gets the bucket's all-gather output ``(world * per_rank,)`` in param_dtype,
@@ -223,7 +227,7 @@ def drop_kept_at_steps(group: CompiledGroup) -> None:
 def _stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     held = {id(p) for opt_group in optimizer.param_groups for p in opt_group["params"]}
     for group in list(_KEEPING):
-        if any(id(slot.module._parameters[slot.name]) in held for p in group.params for slot in p.slots[:1]):
+        if any(id(param) in held for param in group.registered()):
             group.drop_kept()
 
 

@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from shardkit.compiled import unused
-from shardkit.compiled.gather import Settings, gather_inputs, gathered
+from shardkit.compiled.gather import Settings, gather_inputs, gathered, reused
 from shardkit.compiled.group import CompiledGroup
 
 REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them as regions
@@ -139,21 +139,20 @@ def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
     shards, kept = gather_inputs(group, settings)
     if torch.is_grad_enabled():
         shards = _Reductions.apply(group, settings, *shards)
-    n = len(group.buckets)
-    reused = [r is not None for r in kept[3 * n : 4 * n]]  # gather_inputs's ``reuse``: no all-gather for those buckets
-    _trace_gathers(group, settings, shards[0], reused, done=False)
+    skip = reused(group, kept)  # buckets that all-gather nothing
+    _trace_gathers(group, settings, shards[0], skip, done=False)
     output = _region(module, settings, shards, kept, *args)
     unused.region_ran(group, _key(module, settings, shards, kept, *args))
-    _trace_gathers(group, settings, shards[0], reused, done=True)
+    _trace_gathers(group, settings, shards[0], skip, done=True)
     return output
 
 
-def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, reused: list[bool], done: bool) -> None:
+def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, skipped: list[bool], done: bool) -> None:
     """The region's all-gathers (two steps each with ``reshard_after_forward=R``: gather.py)."""
     if group.shard.world == 1:
         return
     steps = [(group.shard, 1)] if not settings.post_forward else [(group.post_forward.across, 1), (group.post_forward.within, group.post_forward.across.world)]
-    for bucket, skip in zip(group.buckets, reused):
+    for bucket, skip in zip(group.buckets, skipped):
         for comm, inputs_per_rank in steps if not skip else ():
             numel = sum(bucket.numels) * inputs_per_rank  # the step's input
             torch.ops.shardkit.trace_collective(x, "all_gather", group.name, comm.world, comm.mesh_dim, done, numel, bucket.param_dtype)

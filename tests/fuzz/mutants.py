@@ -69,7 +69,7 @@ MUTANTS = {
     "compiled-post-forward-rank-order": ("shardkit/compiled/gather.py", "return gathered.view(within.world, across.world, -1).transpose(0, 1).reshape(-1)  # (world * per_rank,), rank-major",
                                          "return gathered",
                                          "compiled mode's two-step all-gather (reshard_after_forward=R) leaves the rows in the order the steps gathered them"),
-    "compiled-kept-not-stale-after-step": ("shardkit/compiled/group.py", "if any(id(slot.module._parameters[slot.name]) in held for p in group.params for slot in p.slots[:1]):",
+    "compiled-kept-not-stale-after-step": ("shardkit/compiled/group.py", "if any(id(param) in held for param in group.registered()):",
                                            "if False:",
                                            "compiled mode's next forward uses what a backward kept (set_reshard_after_backward(False)) after an optimizer step"),
     "overlap-no-prefetch": ("shardkit/compiled/overlap.py", "place[g] = min(place[g], place[wait_of[previous]] + 0.25)", "place[g] = place[g]",
