@@ -12,7 +12,7 @@ pytest selected run (``pytest -k`` narrows the spawned ranks' work too).
 
 Each worker runs the checks in order and writes one JSON file of outcomes ("passed" or a
 traceback) after each check, so a crash or a hang still leaves the outcomes so far. A
-module that crashes or hangs the ranks (``TIMEOUT_S`` per module) gets the outcomes it had;
+module that crashes or hangs the ranks (``TIMEOUT_S`` per check) gets the outcomes it had;
 the modules after it run in a fresh spawn. Each pytest item then asserts one check's
 outcome on every rank.
 
@@ -54,7 +54,7 @@ CHECK_TIMEOUT_S = 10  # a check's collective that another rank never joins raise
 # the graph's next collective timed out waiting for the other (seen in a clean make test)
 COMPILING_CHECK_TIMEOUT_S = 40
 SYNC_TIMEOUT_S = 60  # ranks wait this long for each other between checks: longer than the above
-TIMEOUT_S = 150  # a module that runs longer is killed with its ranks (the first includes start-up; compiling modules take 2-2.5x their time alone under make test's load)
+TIMEOUT_S = 150  # a check that runs longer is killed with its ranks (the first includes start-up; compiling checks take 2-2.5x their time alone under make test's load)
 PASSED = "passed"
 IMPLS = ("shardkit", "torch")  # torch: torch.distributed.fsdp.fully_shard, to validate the check
 CASES_ENV = "SHARDKIT_GLOO_CASES"  # run_worker: a JSON list of case names to run (default all)
@@ -383,8 +383,10 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
 
 
 def _wait(procs: list[multiprocessing.Process], progress: Path, timeout_s: float) -> bool:
-    """Wait for the ranks; kill them all when the module rank 0 is on has run ``timeout_s``
-    (the first from the spawn) or one rank exits with an error. True: killed at a deadline."""
+    """Wait for the ranks; kill them all when the check rank 0 is on has run ``timeout_s``
+    (the clock restarts each time rank 0 writes its outcomes: at the start of each module and
+    after each check; the first from the spawn) or one rank exits with an error. True: killed
+    at a deadline."""
     current, deadline = None, time.monotonic() + timeout_s
     while True:
         codes = [p.exitcode for p in procs]
@@ -394,7 +396,8 @@ def _wait(procs: list[multiprocessing.Process], progress: Path, timeout_s: float
             _grace(procs, SYNC_TIMEOUT_S)
             return False
         try:
-            now_on = json.loads(progress.read_text())["current"]
+            report = json.loads(progress.read_text())
+            now_on = (report["current"], sum(len(m["outcomes"]) for m in report["modules"].values()))
         except (OSError, ValueError, KeyError):
             now_on = current
         if now_on != current:

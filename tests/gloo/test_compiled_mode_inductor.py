@@ -1,6 +1,5 @@
 """shardkit.compiled on 2 gloo ranks with the default backend, inductor, and shardkit's overlap
-pass (a module of its own: the harness's time limit is per module, and compiling comes near it
-under make test's load)."""
+pass."""
 
 import pytest
 

@@ -1,5 +1,4 @@
-"""Compiled mode's set_reshard_after_backward(False) on 2 gloo ranks (a module of its own: the
-harness's time limit is per module, and compiling comes near it under make test's load):
+"""Compiled mode's set_reshard_after_backward(False) on 2 gloo ranks:
 gradient accumulation whose later microbatches use what the previous backward kept instead of
 all-gathering, against the unsharded model and bit for bit against eager shardkit."""
 

@@ -5,8 +5,7 @@
 - FSDP + tensor parallel on a 2x2 (dp, tp) mesh, and HSDP on a 2x2 (replicate, shard) mesh,
   match the reference.
 
-Compiled mode's 4-rank checks are in test_four_ranks_compiled.py (the harness's time limit is
-per module, and compiling comes near it under make test's load).
+Compiled mode's 4-rank checks are in test_four_ranks_compiled.py.
 """
 
 import pytest

@@ -1,7 +1,6 @@
-"""Compiled mode's checks that need 4 gloo ranks (a module of its own: the harness's time limit
-is per module, and compiling comes near it under make test's load): FSDP + tensor parallel on a
-2x2 (dp, tp) mesh, and HSDP on a 2x2 (replicate, shard) mesh, with and without the all-reduce
-each microbatch, against the reference and eager shardkit."""
+"""Compiled mode's checks that need 4 gloo ranks: FSDP + tensor parallel on a 2x2 (dp, tp)
+mesh; HSDP on a 2x2 (replicate, shard) mesh, with and without the all-reduce each microbatch;
+reshard_after_forward=2; against the reference and bit for bit against eager shardkit."""
 
 import contextlib
 
@@ -28,29 +27,9 @@ def compiled_mode_with_tensor_parallel_2x2_matches_reference(mesh, impl):
 
 
 @checks("shardkit", sim=False)
-def compiled_mode_with_hsdp_2x2_matches_reference_and_eager_bit_for_bit(mesh, impl):
-    """shardkit.compiled on a (replicate 2, shard 2) mesh, the GPT compiled as one graph
-    (aot_eager): all-gathered over shard, reduce-scattered over shard and all-reduced over
-    replicate, as eager mode: the same bits as eager shardkit's HSDP, and the reference's numbers."""
-    import shardkit.compiled
-    from test_composition import mesh_2d
-    from compiled_parity import assert_same_bits
-
-    hsdp_mesh, runs = mesh_2d(2, 2), {}
-    for mode, fully_shard in (("eager", shardkit.fully_shard), ("compiled", shardkit.compiled.fully_shard)):
-        torch._dynamo.reset()
-        p = Parity.build(small_gpt, lambda model: apply_fully_shard(model, fully_shard, mesh=hsdp_mesh), mesh, "compiled", loss_of=gpt_loss)
-        if mode == "compiled":
-            p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
-        p.train(gpt_batches(3))
-        p.assert_params_match()
-        runs[mode] = p
-    assert_same_bits(runs["compiled"], runs["eager"], "HSDP 2x2")
-
-
-@checks("shardkit", sim=False)
 def compiled_hsdp_accumulation_without_the_all_reduce_matches_eager_bit_for_bit(mesh, impl):
-    """HSDP 2x2, three microbatches a step with set_requires_all_reduce(False) on the first two
+    """HSDP 2x2 (all-gathered and reduce-scattered over shard, all-reduced over replicate, as
+    eager mode), three microbatches a step with set_requires_all_reduce(False) on the first two
     (reduce-scattered, the sums kept, all-reduced with the third's), two steps: compiled mode
     (aot_eager; and its blocks as nested compile regions) gives eager shardkit's bits, and the
     reference's summed gradients before each step."""

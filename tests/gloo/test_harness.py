@@ -1,6 +1,6 @@
 """The gloo harness itself: ``pytest -k`` narrows what the spawned ranks run (the parent passes
 the selected cases, the ranks run only those), and one spawn runs many modules, a module that
-crashes the ranks leaving the ones after it to the next spawn; a module that hangs is killed,
+crashes the ranks leaving the ones after it to the next spawn; a check that hangs is killed,
 each rank's stack in its output. The unit tests run in this process (make test-fast); the
 others start ranks."""
 
@@ -91,7 +91,7 @@ def test_spawned_ranks_run_only_the_selected_cases_and_the_modules_after_a_crash
 
 
 @pytest.mark.subprocess
-def test_a_module_past_its_time_is_killed_and_each_ranks_tail_shows_where_it_hung(tmp_path):
+def test_a_check_past_its_time_is_killed_and_each_ranks_tail_shows_where_it_hung(tmp_path):
     (tmp_path / "harness_probe_hanging").mkdir()
     hanging = tmp_path / "harness_probe_hanging.py"
     hanging.write_text(PROBE.format(out=str(tmp_path / "harness_probe_hanging"),
@@ -105,3 +105,38 @@ def test_a_module_past_its_time_is_killed_and_each_ranks_tail_shows_where_it_hun
         assert "harness_probe_hanging.py\", line" in tail and "in second" in tail, tail
     with pytest.raises(AssertionError, match="no outcome .timed out"):
         outcomes.assert_passed(Case("second", "shardkit"))
+
+
+SLOW = '''
+import time
+from gloo_harness import Checks, run_worker
+
+checks = Checks()
+
+
+@checks("shardkit")
+def quick(mesh, impl):
+    pass
+
+
+@checks("shardkit")
+def slow(mesh, impl):
+    time.sleep(6)
+
+
+@checks("shardkit")
+def slow_again(mesh, impl):
+    time.sleep(6)
+'''
+
+
+@pytest.mark.subprocess
+def test_the_time_limit_is_per_check_not_per_module(tmp_path):
+    """Two checks of 6 s each under a 10 s limit: the module runs past it, no check does (a
+    module of several compiling checks is slow, not hung)."""
+    (tmp_path / "harness_probe_slow.py").write_text(SLOW)
+    (tmp_path / "run").mkdir()
+    batch = spawn_batch({str(tmp_path / "harness_probe_slow.py"): None}, 2, tmp_path / "run", timeout_s=10)
+    outcomes = batch.outcomes[str(tmp_path / "harness_probe_slow.py")]
+    assert not outcomes.timed_out and batch.wall_s > 12, batch.wall_s
+    assert outcomes.per_rank == [{"quick-shardkit": PASSED, "slow-shardkit": PASSED, "slow_again-shardkit": PASSED}] * 2
