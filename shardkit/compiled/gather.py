@@ -47,14 +47,15 @@ class _GatherGraphBucket(torch.autograd.Function):
             gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard.world)
         else:
             gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(bucket.param_dtype), flat, group, settings, traced)
-        # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward
-        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None, gathered if settings.keep else None)
+        # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward;
+        # kept where gather_inputs gave a ``keep`` leaf (a bucket of bytes keeps nothing: it gathers again)
+        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None, gathered if keep is not None else None)
         return gathered, marks
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, used: torch.Tensor) -> tuple:
         """The gradients of (flat, unreduced, partial, presence), then None for ``reuse``, the
-        gathered rows for ``keep`` (``settings.keep``), and None for the rest."""
+        gathered rows for ``keep`` (when given), and None for the rest."""
         unreduced, partial, gathered = ctx.saved_tensors
         return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 4
 

@@ -52,3 +52,27 @@ def test_what_compiled_mode_does_not_take_with_such_parameters_raises_naming_it(
         model = float8_model()
         with pytest.raises(NotImplementedError, match=f"{what} with parameter 'weight' with fsdp_pre_all_gather.*shardkit.fully_shard"):
             shardkit.compiled.fully_shard(model[0], mesh=mesh, **kwargs)
+
+
+def test_not_resharding_after_backward_such_a_group_gathers_again_and_computes_as_with_resharding():
+    """set_reshard_after_backward(False): a bucket of bytes keeps nothing (backward once raised
+    handing the gathered rows to a leaf it does not have), so each forward all-gathers it again;
+    the gradients are those of the default setting. (Run without torch.compile: the graph's code.)"""
+    grads = {}
+    with fake_world(2) as mesh:
+        for keep in (False, True):
+            model = float8_model()
+            for block in model:
+                shardkit.compiled.fully_shard(block, mesh=mesh)
+            shardkit.compiled.fully_shard(model, mesh=mesh)
+            model.set_reshard_after_backward(not keep)
+            model.set_requires_gradient_sync(False)
+            x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+            model(x).sum().backward()
+            with shardkit.trace() as t:
+                model(x).sum().backward()
+            assert sorted({e.group for e in t.collectives("all_gather")}) == ["0", "1"], keep
+            model.set_requires_gradient_sync(True)
+            model(x).sum().backward()
+            grads[keep] = [p.grad.to_local().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))

@@ -65,6 +65,7 @@ class Spec:
     compiled_mode: bool = False  # shardkit's side sharded by shardkit.compiled.fully_shard, run eagerly (no torch.compile)
     regions: bool = False  # compiled mode with region.REGIONS_FROM = 1: its blocks run region.run (eagerly the region is a plain call)
     optim: str = "adamw"  # "adamw" | "muon": Muon on the 2-D matrices but the embedding, AdamW on the rest (see Optimizers)
+    extension: bool = False  # the blocks' lin.weight a tensor subclass with FSDP2's all-gather hooks (tests/gloo/extension_tensors.Tagged; the reference's too)
 
 
 class Boom(RuntimeError):
@@ -75,6 +76,10 @@ class Block(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
         self.lin = nn.Linear(DIM, DIM)
+        if spec.extension:
+            from tests.gloo.extension_tensors import Tagged
+
+            self.lin.weight = nn.Parameter(Tagged(self.lin.weight.data))
         self.inner = nn.Linear(DIM, DIM) if spec.nested else None
         self.scale = nn.Parameter(1 + 0.1 * torch.randn(DIM, dtype=torch.float64)) if spec.mixed else None
         self.spare = nn.Linear(DIM, DIM) if spec.unused else None
