@@ -258,6 +258,7 @@ def _rank_entry(target: Callable, args: tuple, env: dict[str, str], log: str | N
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    faulthandler.enable()  # a rank that crashes (SIGSEGV, SIGABRT) leaves its stack in its log
     faulthandler.register(signal.SIGUSR1)  # _grace: where a rank hangs, in its log before it is killed
     import torch
 
