@@ -22,7 +22,8 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     shardkit's side in compiled mode, with only what that mode takes: no mesh of a
     parameter's own; half of those run the blocks as
     nested compile regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
-    (``Spec.optim``)."""
+    (``Spec.optim``); one in four with a bool reshard_after_forward makes the blocks' weight a
+    tensor subclass with FSDP2's all-gather hooks (``Spec.extension``)."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
     mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
     shard_size = world // 2 if mesh == "hsdp" else world
