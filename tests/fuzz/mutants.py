@@ -72,6 +72,8 @@ MUTANTS = {
     "compiled-kept-not-stale-after-step": ("shardkit/compiled/group.py", "if any(id(param) in held for param in group.registered()):",
                                            "if False:",
                                            "compiled mode's next forward uses what a backward kept (set_reshard_after_backward(False)) after an optimizer step"),
+    "compiled-bytes-bucket-keeps": ("shardkit/compiled/gather.py", "gathered if keep is not None else None)", "gathered if settings.keep else None)",
+                                    "compiled mode's bucket of bytes (parameters that all-gather themselves) hands its rows to a kept leaf it has not"),
     "overlap-no-prefetch": ("shardkit/compiled/overlap.py", "place[g] = min(place[g], place[wait_of[previous]] + 0.25)", "place[g] = place[g]",
                             "the overlap pass never issues an all-gather ahead of its group"),
     "overlap-waits-at-issue": ("shardkit/compiled/overlap.py", "place[wait_of[g]] = min(users[wait_of[g]], default=n) - 0.5", "place[wait_of[g]] = g + 0.01",
