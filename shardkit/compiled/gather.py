@@ -47,15 +47,14 @@ class _GatherGraphBucket(torch.autograd.Function):
             gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard.world)
         else:
             gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(bucket.param_dtype), flat, group, settings, traced)
-        # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward;
-        # kept where gather_inputs gave a ``keep`` leaf (a bucket of bytes keeps nothing: it gathers again)
-        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None, gathered if keep is not None else None)
+        # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward
+        ctx.save_for_backward(unreduced if settings.sync else None, partial if settings.all_reduce else None, gathered if settings.keep else None)
         return gathered, marks
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, used: torch.Tensor) -> tuple:
         """The gradients of (flat, unreduced, partial, presence), then None for ``reuse``, the
-        gathered rows for ``keep`` (when given), and None for the rest."""
+        gathered rows for ``keep`` (``settings.keep``), and None for the rest."""
         unreduced, partial, gathered = ctx.saved_tensors
         return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 4
 
@@ -208,8 +207,10 @@ class Settings(NamedTuple):
 
     def per_bucket(self, group: CompiledGroup) -> list["Settings"]:
         """Each bucket's: a bucket of weights tied to an earlier call's is reduced with that
-        call's settings (sync, divide factor, all-reduce), as eager mode reduces them there."""
-        return [self if b.owner is None else Settings.of(b.owner)._replace(reshard=self.reshard, post_forward=self.post_forward, keep=self.keep) for b in group.buckets]
+        call's settings (sync, divide factor, all-reduce), as eager mode reduces them there; a
+        bucket that gathers bytes keeps nothing after backward (it gathers again)."""
+        own = (self if b.owner is None else Settings.of(b.owner)._replace(reshard=self.reshard, post_forward=self.post_forward, keep=self.keep) for b in group.buckets)
+        return [s._replace(keep=s.keep and not b.as_bytes) for s, b in zip(own, group.buckets)]
 
 
 def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
@@ -221,8 +222,8 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
     partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
     presence = tuple(group.presence_leaf(b) for b, _ in buckets)
-    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) if not group.buckets[b].as_bytes else None for b, _ in buckets)
-    keep = tuple(group.kept_leaf(b) if s.keep and not group.buckets[b].as_bytes else None for b, s in buckets)
+    reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) for b, _ in buckets)  # (None where nothing was kept)
+    keep = tuple(group.kept_leaf(b) if s.keep else None for b, s in buckets)
     return shards, unreduced + partial + presence + reuse + keep
 
 
