@@ -22,6 +22,8 @@ group move, and the trace op of each (``shardkit::trace_collective``) moves with
 one sort: each op gets a place (its index, or the place its rule gives it), every op's place
 is made no later than the places of the ops that read it, and the ops are sorted by (place,
 index); an op's inputs always sort before it, so the sort is a valid order whatever the rules.
+From torch 2.14 on, inductor's ``simple_overlap`` runs after this pass: it may swap a
+collective with the wait or kernel just before it where its memory model allows (docs/usage.md).
 """
 
 from __future__ import annotations

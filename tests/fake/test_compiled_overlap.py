@@ -44,9 +44,13 @@ def computes_between(found, start: int, end: int) -> int:
     return sum(k == "compute" for k, _ in found[start:end])
 
 
-def in_flight(spans_: list[tuple[int, int]]) -> int:
-    """The most collectives issued and not yet waited for at any one point."""
-    return max(sum(s <= at < e for s, e in spans_) for at in range(max(e for _, e in spans_)))
+def in_flight(found, spans_: list[tuple[int, int]]) -> int:
+    """The most collectives issued and not yet waited for while a kernel runs. (Between two
+    kernels the count may be higher: from torch 2.14 on, inductor's ``simple_overlap`` pass,
+    run after shardkit's, issues a collective before the previous one's wait when no kernel
+    lies between them, a swap it checks does not raise peak memory.)"""
+    computes = [at for at, (k, _) in enumerate(found) if k == "compute"]
+    return max(sum(s < at < e for s, e in spans_) for at in computes)
 
 
 def test_inductor_overlaps_each_groups_collectives_with_the_neighbouring_groups_compute():
@@ -57,16 +61,15 @@ def test_inductor_overlaps_each_groups_collectives_with_the_neighbouring_groups_
     gathers = spans(forward, "all_gather_into_tensor")
     assert len(gathers) == 3 and not spans_of(forward, "reduce_scatter_tensor")
     assert all(computes_between(forward, s, e) > 0 for s, e in gathers[1:]), forward
-    assert in_flight(gathers) == 1
+    assert in_flight(forward, gathers) == 1
     # backward: each block re-gathers (the root keeps its parameters: reshard_after_forward is
     # False for it) during the previous block's compute; each reduce-scatter but the last is
-    # waited for only after the next group's compute, right before the next one is issued
+    # waited for only after the next group's compute, by the time the next one is issued
     gathers, scatters = spans(backward, "all_gather_into_tensor"), spans(backward, "reduce_scatter_tensor")
     assert len(gathers) == 2 and len(scatters) == 3
     assert computes_between(backward, *gathers[1]) > 0, backward
     assert all(computes_between(backward, s, e) > 0 for s, e in scatters[:-1]), backward
-    assert all(e < s_next for (_, e), (s_next, _) in zip(scatters, scatters[1:]))  # one in flight
-    assert in_flight(gathers) == 1 and in_flight(scatters) == 1
+    assert in_flight(backward, gathers) == 1 and in_flight(backward, scatters) == 1, backward
 
 
 def spans_of(found, kind: str) -> list:
@@ -76,18 +79,19 @@ def spans_of(found, kind: str) -> list:
 def test_in_two_steps_each_blocks_gather_overlaps_the_previous_groups_compute():
     """reshard_after_forward=2 (every group, the root too): forward gathers each group in two
     steps (shardkit/compiled/gather.py). The blocks' second steps, and blocks.1's first, run
-    during the previous group's compute; only the root's, the first thing the step needs, and
-    blocks.0's first (issued with them) wait with nothing to hide behind. Backward gathers in
+    during the previous group's compute; the root's, the first thing the step needs, and
+    blocks.0's first (issued with them) have nothing to hide behind (but a copy-in that torch
+    2.14's ``simple_overlap`` may move in). Backward gathers in
     one step (among 2 ranks), overlapped as without the setting."""
     forward, backward = compiled_events(reshard_after_forward=2)
     gathers = spans(forward, "all_gather_into_tensor")
     assert len(gathers) == 6
-    assert [computes_between(forward, s, e) > 0 for s, e in gathers] == [False] * 3 + [True] * 3, forward
-    assert in_flight(gathers) <= 2
+    assert all(computes_between(forward, s, e) > 0 for s, e in gathers[3:]), forward
+    assert in_flight(forward, gathers) <= 2
     gathers, scatters = spans(backward, "all_gather_into_tensor"), spans(backward, "reduce_scatter_tensor")
     assert len(gathers) == 3 and len(scatters) == 3
     assert all(computes_between(backward, s, e) > 0 for s, e in gathers[1:] + scatters[:-1]), backward
-    assert in_flight(gathers) == 1 and in_flight(scatters) == 1
+    assert in_flight(backward, gathers) == 1 and in_flight(backward, scatters) == 1, backward
 
 
 def compiled_events(**kwargs) -> tuple[list, list]:

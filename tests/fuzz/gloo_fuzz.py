@@ -109,6 +109,9 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
         stats["examples"] += 1
         if not stats.get("broke"):  # the example that broke the ranks stays (hypothesis's retries then fail at once)
             running(repro).write_text(to_json(spec, commands, world=WORLD) + "\n")  # left behind if the ranks die
+        if os.environ.get("FUZZ_LOG"):  # every example in order: a crash caused by an earlier one replays as a .jsonl
+            with open(os.environ["FUZZ_LOG"], "a") as log:
+                log.write(to_json(spec, commands, world=WORLD).replace("\n", " ") + "\n")
         _send((spec, commands))
         try:
             problem = run_example(spec, commands, meshes, stats=stats)
