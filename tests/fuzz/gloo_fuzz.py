@@ -107,11 +107,12 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
         spec = data.draw(strategies.specs(WORLD), label="spec")
         commands = data.draw(strategies.sequences(compiled=spec.compiled_mode), label="commands")
         stats["examples"] += 1
+        line = to_json(spec, commands, world=WORLD) + "\n"  # (one line: json.dumps)
         if not stats.get("broke"):  # the example that broke the ranks stays (hypothesis's retries then fail at once)
-            running(repro).write_text(to_json(spec, commands, world=WORLD) + "\n")  # left behind if the ranks die
+            running(repro).write_text(line)  # left behind if the ranks die
         if os.environ.get("FUZZ_LOG"):  # every example in order: a crash caused by an earlier one replays as a .jsonl
             with open(os.environ["FUZZ_LOG"], "a") as log:
-                log.write(to_json(spec, commands, world=WORLD).replace("\n", " ") + "\n")
+                log.write(line)
         _send((spec, commands))
         try:
             problem = run_example(spec, commands, meshes, stats=stats)
