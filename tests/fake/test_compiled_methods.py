@@ -115,6 +115,33 @@ def test_not_resharding_after_backward_keeps_the_gathered_rows_until_the_shards_
         assert step()[0] == 3
 
 
+def test_an_optimizer_step_drops_what_was_kept_whichever_mode_hooked_the_steps_first(monkeypatch):
+    """Compiled mode's step hook must see the DTensors it holds: eager mode's swap of each
+    shard for its local tensor during the step (shardkit/optim/local_step.py) is undone by a
+    post-step hook, so compiled mode's must come after it even when the first model sharded in
+    the process is a compiled one told to keep and an eager one follows. (Process-wide hooks:
+    reset here so that this order is built whatever ran before.) Run without torch.compile."""
+    from torch.optim import optimizer as torch_optimizer
+
+    from shardkit.compiled import group as compiled_group
+    from shardkit.optim import local_step
+
+    monkeypatch.setattr(torch_optimizer, "_global_optimizer_pre_hooks", type(torch_optimizer._global_optimizer_pre_hooks)())
+    monkeypatch.setattr(torch_optimizer, "_global_optimizer_post_hooks", type(torch_optimizer._global_optimizer_post_hooks)())
+    monkeypatch.setattr(compiled_group, "_hooked", [False])
+    monkeypatch.setattr(local_step, "_installed", False)
+    with fake_world(8) as mesh:
+        sharded = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        sharded.set_reshard_after_backward(False)
+        gpt(shardkit.fully_shard, mesh=mesh)  # eager mode installs its swap after compiled mode's hook
+        optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        sharded(*batch())[1].backward()
+        groups = shardkit.compiled.module._groups(sharded, True)
+        assert all(leaf.grad is not None for g in groups for leaf in g._kept.values()) and groups
+        optimizer.step()
+        assert all(leaf.grad is None for g in groups for leaf in g._kept.values())
+
+
 def test_a_new_setting_compiles_one_more_graph_and_a_setting_seen_before_none():
     """set_reshard_after_forward(False) on the root (recursive): backward keeps forward's
     unsharded parameters (no all-gather in the new backward graph); True: every group,
