@@ -74,6 +74,7 @@ from shardkit.compiled.group import CompiledGroup
 from shardkit.compiled.module import CompiledFSDPModule
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.module import accept_full_tensors
+from shardkit.optim import local_step
 from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.state import class_name, state_of
 from shardkit.tensors import cast_inputs, cast_output
@@ -99,6 +100,7 @@ def fully_shard(
     spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
     dp_mesh = spmd.dp_mesh if spmd is not None else mesh  # 1-D, or 2-D (replicate, shard)
     overlap.install()
+    local_step.install_once()  # torch's elementwise optimizers step on the local shards, as in eager mode
     _unsupported(shard_placement_fn, offload_policy)
     reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh, spmd=spmd is not None, split=True)
     mp_policy, options = check_policies(mp_policy, offload_policy)
