@@ -330,14 +330,15 @@ class _Attach(torch.autograd.Function):
 
 def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     """This rank's rows followed by zero rows up to ``padded_rows`` (the all-gather's input)."""
-    missing = p.padded_rows - shard.shape[0]
+    missing = p.layout.padded_rows - shard.shape[0]  # (the layout's fields, not ShardedParam's properties: less for dynamo to trace)
     return shard if missing == 0 else torch.cat([shard, shard.new_zeros(missing, *shard.shape[1:])])
 
 
 def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
     (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
-    full = column.reshape(p.layout.unsharded_padded_shape)[: p.shape[0]]
+    layout = p.layout
+    full = column.reshape(layout.unsharded_padded_shape)[: layout.shape[0]]
     if p.tp_spec is None:
         return full
     spec = p.tp_spec

@@ -42,6 +42,7 @@ class Layout:
     padded_rows: int = field(init=False)
     local_rows: int = field(init=False)
     padded_shape: torch.Size = field(init=False)
+    unsharded_padded_shape: torch.Size = field(init=False)  # the all-gather's output as a tensor: ``world`` padded shards along ``dim``
     shard_numel: int = field(init=False)  # every rank's padded shard: the collectives' unit
     post_forward_rows: int = field(init=False)
     post_forward_numel: int = field(init=False)
@@ -51,6 +52,7 @@ class Layout:
         derived = dict(padded_rows=padded_rows(rows, self.world), local_rows=local_rows(rows, self.world, self.rank))
         derived["padded_shape"] = with_size(self.shape, self.dim, derived["padded_rows"])
         derived["shard_numel"] = derived["padded_shape"].numel()
+        derived["unsharded_padded_shape"] = with_size(self.shape, self.dim, self.world * derived["padded_rows"])
         derived["post_forward_rows"] = padded_rows(self.shape[0], self.post_forward_world) if self.post_forward_world else 0
         derived["post_forward_numel"] = derived["post_forward_rows"] * self.row_numel
         for name, value in derived.items():
@@ -60,11 +62,6 @@ class Layout:
     def row_numel(self) -> int:
         """Elements in one dim-0 row."""
         return math.prod(self.shape[1:])
-
-    @property
-    def unsharded_padded_shape(self) -> torch.Size:
-        """The all-gather's output as a tensor: ``world`` padded shards along ``dim``."""
-        return with_size(self.shape, self.dim, self.world * self.padded_rows)
 
     def local_numel(self, rank: int) -> int:
         """Elements ``rank`` really holds (the optimizer state's size there)."""
