@@ -30,6 +30,8 @@ reduce-scatters (and HSDP's all-reduces) issued and done when its backward has r
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -120,6 +122,7 @@ def choose(groups: list[CompiledGroup]) -> None:
             group.region = True
     if any(group.region for group in groups):
         _no_buffer_reuse()
+        _schema_once_per_subgraph()
 
 
 def _no_buffer_reuse() -> None:
@@ -131,6 +134,58 @@ def _no_buffer_reuse() -> None:
     from torch._inductor import config
 
     config.allow_buffer_reuse = False
+
+
+def _schema_once_per_subgraph() -> None:
+    """AOTAutograd meets ``invoke_subgraph`` once per region call, and each time (torch 2.13,
+    2.14) asks its schema, which traces the whole subgraph again (``materialize_as_graph``) to
+    find whether it writes to an input: the region's body was traced once per block after all,
+    and most of what regions save was spent there. The schema depends only on the subgraph
+    (its graph, and the graphs inside it) and the operands' kinds and metadata, so it is kept
+    per subgraph object and recomputed when either differs: the same answer, once. Global, as
+    ``_no_buffer_reuse``."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    plain = InvokeSubgraphHOP.gen_schema
+    if getattr(plain, "_shardkit_once", False):
+        return
+    schemas: "weakref.WeakKeyDictionary[torch.fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+
+    @functools.wraps(plain)
+    def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
+        key = _schema_key(subgraph, identifier, operands)
+        if key is None:
+            return plain(self, subgraph, identifier, *operands)
+        known = schemas.setdefault(subgraph, {})
+        if key not in known:
+            known[key] = plain(self, subgraph, identifier, *operands)
+        return known[key]
+
+    gen_schema._shardkit_once = True  # type: ignore[attr-defined]
+    InvokeSubgraphHOP.gen_schema = gen_schema
+
+
+def _schema_key(subgraph: Any, identifier: Any, operands: tuple) -> tuple | None:
+    """What ``invoke_subgraph``'s schema depends on, hashable; None where it cannot be told
+    (not a GraphModule, symbolic sizes, a tensor without storage): then it is computed."""
+    if not isinstance(subgraph, torch.fx.GraphModule):
+        return None
+    try:
+        graphs = tuple(tuple((n.op, str(n.target), str(n.args), str(n.kwargs)) for n in m.graph.nodes)
+                       for m in subgraph.modules() if isinstance(m, torch.fx.GraphModule))
+        storages: dict[int, int] = {}  # which operands share storage: aliasing can matter
+        metadata = []
+        for i, o in enumerate(operands):
+            if isinstance(o, torch.Tensor):
+                storage = storages.setdefault(o.untyped_storage()._cdata, i)
+                metadata.append((type(o), o.dtype, o.device, tuple(o.shape), o.stride(), o.storage_offset(), o.requires_grad, storage))
+            else:
+                metadata.append((type(o), o))
+        key = (identifier, graphs, tuple(metadata))
+        hash(key)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return None
+    return key
 
 
 def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:

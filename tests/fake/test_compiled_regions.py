@@ -201,3 +201,56 @@ def test_the_region_key_tells_apart_what_changes_the_code():
         assert len({key(a), *others}) == 1 + len(others)
         other_config = GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=16, vocab_size=65)
         assert region.structure(gpt(shardkit.compiled.fully_shard, config=other_config, mesh=mesh).blocks[0]) != region.structure(a)
+
+
+def test_aot_traces_a_regions_body_for_its_schema_once_whatever_the_block_count(monkeypatch):
+    """AOTAutograd asks invoke_subgraph's schema at every region call, and torch traces the
+    subgraph again for it (materialize_as_graph): once per block, most of a region's compile.
+    region._schema_once_per_subgraph keeps it: as many traces for 8 blocks as for 4 (3: the
+    forward and the joint's two; 14 and 26 without it)."""
+    from torch._higher_order_ops import utils as hop_utils
+
+    traced = [0]
+    plain = hop_utils.materialize_as_graph
+
+    def counting(*args, **kwargs):
+        traced[0] += 1
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(hop_utils, "materialize_as_graph", counting)
+    found = {}
+    with fake_world(WORLD) as mesh:
+        for layers in (4, 8):
+            torch._dynamo.reset()
+            traced[0] = 0
+            recording = Recording()
+            model = gpt(shardkit.compiled.fully_shard, config=GPTConfig(**{**vars(CONFIG), "n_layer": layers}), mesh=mesh)
+            assert all(b._shardkit_state.region for b in model.blocks)
+            step(torch.compile(model, fullgraph=True, backend=recording))
+            assert len(set(calls(recording.graphs["forward"][0]))) == 1
+            found[layers] = traced[0]
+    assert found[8] == found[4] <= 4, found
+
+
+def test_a_kept_schema_is_recomputed_when_the_subgraph_or_its_operands_change():
+    """The schema kept per subgraph is the one torch computes: an in-place op added to the graph
+    (an input written), other operand shapes, or two operands that alias give a new one."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    region._schema_once_per_subgraph()
+
+    def body(x, y):
+        return (x * y,)
+
+    gm = torch.fx.symbolic_trace(body)
+    x, y = torch.randn(3), torch.randn(3)
+    first = invoke_subgraph.gen_schema(gm, "s", x, y)
+    assert invoke_subgraph.gen_schema(gm, "s", x, y) is first and not any(a.is_write for a in first.arguments)
+    assert invoke_subgraph.gen_schema(gm, "s", torch.randn(4), torch.randn(4)) is not first
+    assert invoke_subgraph.gen_schema(gm, "s", x, x) is not first
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_after(placeholder):
+        gm.graph.call_function(torch.ops.aten.add_.Tensor, (placeholder, 1))
+    gm.recompile()
+    written = invoke_subgraph.gen_schema(gm, "s", x, y)
+    assert [a.is_write for a in written.arguments if a.name.startswith("arg")] == [True, False], written
