@@ -193,7 +193,7 @@ def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
     settings = Settings.of(group)
     shards, kept = gather_inputs(group, settings)
     if torch.is_grad_enabled():
-        shards = _Reductions.apply(group, settings, *shards)
+        shards, kept = _watched(group, settings, shards, kept)
     skip = reused(group, kept)  # buckets that all-gather nothing
     _trace_gathers(group, settings, shards[0], skip, done=False)
     output = _region(module, settings, shards, kept, *args)
@@ -213,29 +213,48 @@ def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, sk
             torch.ops.shardkit.trace_collective(x, "all_gather", group.name, comm.world, comm.mesh_dim, done, numel, bucket.param_dtype)
 
 
-class _Reductions(torch.autograd.Function):
-    """The identity on a region's shards. Its backward runs when the region's backward has
-    reduced their gradients: it records those reductions, and where the region reduced none
+def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple) -> tuple[tuple, tuple]:
+    """The region's inputs, ready for its backward. Where it reduces nothing into the shards
     (``set_requires_gradient_sync(False)``, HSDP's ``set_requires_all_reduce(False)``: the sums
-    are kept, eager mode's ``.grad`` stays None) it gives the shards None, not the zeros a
-    region's backward gives for an input without a gradient."""
+    are kept), they enter detached: their ``.grad`` stays None as in eager mode whatever a
+    region's backward gives an input that got no gradient (None, on torch 2.13 with aot_eager:
+    the gloo tests pass without the detach too; with it, nothing depends on that). Where it
+    reduce-scatters, ONE
+    input that then gets a gradient (the first shard that requires one; HSDP without the
+    all-reduce: the first bucket's leaf for the kept sums) passes through ``_Reductions``, which
+    records the reductions. One input, not every shard: dynamo's tracing of an autograd function
+    grows with its inputs times its outputs (0.16 s per block of 12 parameters)."""
+    into_shards = settings.sync and not (group.all_reduces and not settings.all_reduce)
+    if not into_shards:
+        shards = tuple(s.detach() for s in shards)
+    if not settings.sync:
+        return shards, kept  # nothing reduced, nothing to record
+    if into_shards:
+        i = next((i for i, s in enumerate(shards) if s.requires_grad), None)
+        if i is None:
+            return shards, kept
+        return (*shards[:i], _Reductions.apply(group, settings, shards[i]), *shards[i + 1 :]), kept
+    i = len(group.buckets)  # gather_inputs's kept: unreduced, then partial, per bucket
+    return shards, (*kept[:i], _Reductions.apply(group, settings, kept[i]), *kept[i + 1 :])
+
+
+class _Reductions(torch.autograd.Function):
+    """The identity on one input of a region (``_watched``). Its backward runs when the
+    region's backward has reduced the gradients: it records those reductions."""
 
     @staticmethod
-    def forward(ctx: Any, group: CompiledGroup, settings: Settings, *shards: torch.Tensor) -> tuple:
+    def forward(ctx: Any, group: CompiledGroup, settings: Settings, watched: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.settings = group, settings
-        return tuple(s.view_as(s) for s in shards)
+        return watched.view_as(watched)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        group, settings, x = ctx.group, ctx.settings, next((g for g in grads if g is not None), None)
-        if not settings.sync or group.all_reduces and not settings.all_reduce:
-            grads = (None,) * len(grads)
-            x = x if settings.sync else None  # (the reduce-scatter without the all-reduce is traced)
-        for bucket in group.buckets if x is not None else ():
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        group, settings = ctx.group, ctx.settings
+        for bucket in group.buckets:
             numel = bucket.reduced_numel * group.shard.world
             replicate = group.replicate if settings.all_reduce else None
             for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", replicate, bucket.reduced_numel)):
                 if comm is not None and comm.world > 1:
                     for done in (False, True):
-                        torch.ops.shardkit.trace_collective(x, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)
-        return (None, None, *grads)
+                        torch.ops.shardkit.trace_collective(grad, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)
+        return None, None, grad

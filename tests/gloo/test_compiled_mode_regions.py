@@ -39,6 +39,8 @@ def blocks_as_regions_match_eager_shardkit_bit_for_bit(mesh, impl):
                 for i, batch in enumerate(gpt_batches(2, seed=20 + step)):
                     sharded.set_requires_gradient_sync(i == 1)
                     p.forward_backward(batch)
+                    if i == 0:  # nothing reduced yet: no .grad, as in eager mode (not a region's zeros)
+                        assert [n for n, q in sharded.named_parameters() if q.grad is not None] == [], (mode, step)
                 p.optimizer_step()
             runs[mode] = p
         assert_same_bits(runs["compiled"], runs["eager"], "regions: divide factor 3 on one block, no reshard, accumulation")
