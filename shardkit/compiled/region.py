@@ -219,10 +219,9 @@ def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
     are kept), they enter detached: their ``.grad`` stays None as in eager mode whatever a
     region's backward gives an input that got no gradient (None, on torch 2.13 with aot_eager:
     the gloo tests pass without the detach too; with it, nothing depends on that). Where it
-    reduce-scatters, ONE
-    input that then gets a gradient (the first shard that requires one; HSDP without the
-    all-reduce: the first bucket's leaf for the kept sums) passes through ``_Reductions``, which
-    records the reductions. One input, not every shard: dynamo's tracing of an autograd function
+    reduce-scatters, ONE input that then gets a gradient (the first shard that requires one;
+    HSDP without the all-reduce: the first bucket's leaf for the kept sums) passes through
+    ``_Reductions``, which records the reductions. One input, not every shard: dynamo's tracing of an autograd function
     grows with its inputs times its outputs (0.16 s per block of 12 parameters)."""
     into_shards = settings.sync and not (group.all_reduces and not settings.all_reduce)
     if not into_shards:
