@@ -70,9 +70,9 @@ test-fast: $(STAMP)
 # others' (unit, fake process group with the compiled mode's, fuzzer, planner, checkpoints); the
 # gloo modules; test-sim. Their output after the first's. Then, alone, the torchrun ones
 # (tests/examples, the pipelining check: up to 8 ranks on the 2 cores, bound by how soon each
-# rank's peer is scheduled): 60 s alone, about 180 s beside the lanes. Not rerun under sim: the 4-rank gloo modules (what
-# they add, HSDP 2x2 and 4-rank meshes, the fake-PG tier checks under sim; 4 ranks cost twice
-# the CPU), test_pretrained*.py (a transformers model; reading and writing shards puts nothing
+# rank's peer is scheduled): 60 s alone, about 180 s beside the lanes. Not rerun under sim:
+# the 4-rank gloo modules (what they add, HSDP 2x2 and 4-rank meshes, the fake-PG tier checks
+# under sim; 4 ranks cost twice the CPU), test_pretrained*.py (a transformers model; reading and writing shards puts nothing
 # on a stream), the compiled mode's tests (torch.compile does not trace under the checker's
 # dispatch mode).
 COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py \

@@ -15,7 +15,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from shardkit.comm.collectives import backend_of
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam
-from shardkit.optim import local_step
 from shardkit.policies import MixedPrecisionPolicy
 
 
@@ -221,9 +220,9 @@ def drop_kept_at_steps(group: CompiledGroup) -> None:
     """From now on every optimizer step over ``group``'s parameters drops what it kept."""
     _KEEPING.add(group)
     if not _hooked[0]:
-        # After local_step's hooks: its post-step hook swaps the local tensors back for the
-        # DTensors that ``registered()`` holds (before it, the step's param groups hold plain tensors).
-        local_step.install_once()
+        # After local_step's hooks (fully_shard installed them): its post-step hook swaps the local
+        # tensors back for the DTensors that ``registered()`` holds; before it, the step's param
+        # groups hold plain tensors and no group would match.
         register_optimizer_step_post_hook(_stale)
         _hooked[0] = True
 

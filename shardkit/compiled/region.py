@@ -216,25 +216,21 @@ def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, sk
 def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple) -> tuple[tuple, tuple]:
     """The region's inputs, ready for its backward. Where it reduces nothing into the shards
     (``set_requires_gradient_sync(False)``, HSDP's ``set_requires_all_reduce(False)``: the sums
-    are kept), they enter detached: their ``.grad`` stays None as in eager mode whatever a
-    region's backward gives an input that got no gradient (None, on torch 2.13 with aot_eager:
-    the gloo tests pass without the detach too; with it, nothing depends on that). Where it
-    reduce-scatters, ONE input that then gets a gradient (the first shard that requires one;
-    HSDP without the all-reduce: the first bucket's leaf for the kept sums) passes through
-    ``_Reductions``, which records the reductions. One input, not every shard: dynamo's tracing of an autograd function
-    grows with its inputs times its outputs (0.16 s per block of 12 parameters)."""
-    into_shards = settings.sync and not (group.all_reduces and not settings.all_reduce)
-    if not into_shards:
-        shards = tuple(s.detach() for s in shards)
+    are kept), they enter detached, so that their ``.grad`` stays None as in eager mode whatever
+    a region's backward gives an input without a gradient (None on torch 2.13 with aot_eager).
+    Where it reduce-scatters, ONE input that then gets a gradient (the first shard that requires
+    one; HSDP without the all-reduce: the first bucket's leaf for the kept sums) passes through
+    ``_Reductions``, which records the reductions. One, not every shard: dynamo's tracing of an
+    autograd function grows with its inputs times its outputs (0.16 s per block of 12 parameters)."""
     if not settings.sync:
-        return shards, kept  # nothing reduced, nothing to record
-    if into_shards:
-        i = next((i for i, s in enumerate(shards) if s.requires_grad), None)
-        if i is None:
-            return shards, kept
-        return (*shards[:i], _Reductions.apply(group, settings, shards[i]), *shards[i + 1 :]), kept
-    i = len(group.buckets)  # gather_inputs's kept: unreduced, then partial, per bucket
-    return shards, (*kept[:i], _Reductions.apply(group, settings, kept[i]), *kept[i + 1 :])
+        return tuple(s.detach() for s in shards), kept  # nothing reduced, nothing to record
+    if group.all_reduces and not settings.all_reduce:  # the reduce-scattered sums go to the partial leaves
+        i = len(group.buckets)  # gather_inputs's kept: unreduced, then partial, per bucket
+        return tuple(s.detach() for s in shards), (*kept[:i], _Reductions.apply(group, settings, kept[i]), *kept[i + 1 :])
+    i = next((i for i, s in enumerate(shards) if s.requires_grad), None)
+    if i is None:
+        return shards, kept
+    return (*shards[:i], _Reductions.apply(group, settings, shards[i]), *shards[i + 1 :]), kept
 
 
 class _Reductions(torch.autograd.Function):
