@@ -255,7 +255,10 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
             flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
             gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], reuse[b], keep[b], group, bucket, s, traced)
             marks.append(bucket_marks)
-            for i, column in zip(bucket.indices, gathered.view(group.shard.world, -1).split(bucket.numels, dim=1)):
+            rows = gathered.view(group.shard.world, -1)
+            # each parameter's column (world, shard_numel), copied out contiguous in one op (no copy for one parameter)
+            columns = torch.split_with_sizes_copy(rows, bucket.numels, dim=1) if len(bucket.numels) > 1 else (rows,)
+            for i, column in zip(bucket.indices, columns):
                 unsharded[i] = _unsharded(column, group.params[i])
             if bucket.as_bytes:
                 for k, (i, built) in enumerate(zip(bucket.indices, _self_gathered(group, bucket, shards, traced))):
@@ -338,7 +341,9 @@ def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
     (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
     layout = p.layout
-    full = column.reshape(layout.unsharded_padded_shape)[: layout.shape[0]]
+    full = column.view(layout.unsharded_padded_shape)
+    if layout.unsharded_padded_shape[0] != layout.shape[0]:  # padding rows to cut (a slice of every row would cost a copy in backward)
+        full = full[: layout.shape[0]]
     if p.tp_spec is None:
         return full
     spec = p.tp_spec
