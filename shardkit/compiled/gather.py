@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardkit.comm import trace
 from shardkit.comm.collectives import _divide_factors
-from shardkit.compiled.group import CompiledGroup, GraphBucket
+from shardkit.compiled.group import CompiledGroup, Copy, GraphBucket
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam
 
@@ -245,24 +245,28 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
     trace ops (see ``_GatherGraphBucket``)."""
     n = len(group.params)
 
+    buckets, world = group.buckets, group.shard.world
+    per_bucket = settings.per_bucket(group)
+
     def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
-        b = len(group.buckets)
+        b = len(buckets)
         shards = inputs[:n]
         unreduced, partial, presence, reuse, keep = (inputs[n + k * b : n + (k + 1) * b] for k in range(5))  # per bucket each
         unsharded: list[Any] = [None] * n
         marks = []  # per bucket
-        for b, (bucket, s) in enumerate(zip(group.buckets, settings.per_bucket(group))):
-            flat = torch.cat([_padded(shards[i], group.params[i]).reshape(-1) for i in bucket.indices])
+        for b, (bucket, s) in enumerate(zip(buckets, per_bucket)):
+            copies = _copies(bucket)
+            flat = torch.cat([_padded(shards[c.index], c.padded_rows) for c in copies])
             gathered, bucket_marks = _GatherGraphBucket.apply(flat, unreduced[b], partial[b], presence[b], reuse[b], keep[b], group, bucket, s, traced)
             marks.append(bucket_marks)
-            rows = gathered.view(group.shard.world, -1)
+            rows = gathered.view(world, -1)
             # each parameter's column (world, shard_numel), copied out contiguous in one op (no copy for one parameter)
-            columns = torch.split_with_sizes_copy(rows, bucket.numels, dim=1) if len(bucket.numels) > 1 else (rows,)
-            for i, column in zip(bucket.indices, columns):
-                unsharded[i] = _unsharded(column, group.params[i])
+            columns = torch.split_with_sizes_copy(rows, bucket.numels, dim=1) if len(copies) > 1 else (rows,)
+            for c, column in zip(copies, columns):
+                unsharded[c.index] = _unsharded(column, group.params[c.index]) if c.tp else _rows(column, c.shape, c.keep)
             if bucket.as_bytes:
-                for k, (i, built) in enumerate(zip(bucket.indices, _self_gathered(group, bucket, shards, traced))):
-                    unsharded[i] = _Attach.apply(unsharded[i], bucket_marks[k], built)
+                for c, mark, built in zip(copies, bucket_marks.unbind(), _self_gathered(group, bucket, shards, traced)):
+                    unsharded[c.index] = _Attach.apply(unsharded[c.index], mark, built)
         return unsharded + marks
 
     if settings.reshard and torch.is_grad_enabled():
@@ -277,10 +281,16 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
     else:
         out = run(*shards, *kept)
     marks: list[Any] = [None] * n
-    for bucket, bucket_marks in zip(group.buckets, out[n:]):
-        for k, i in enumerate(bucket.indices):
-            marks[i] = bucket_marks[k]
+    for bucket, bucket_marks in zip(buckets, out[n:]):
+        for c, mark in zip(_copies(bucket), bucket_marks.unbind()):  # (one op; its backward one stack)
+            marks[c.index] = mark
     return list(out[:n]), marks
+
+
+@torch.compiler.assume_constant_result
+def _copies(bucket: GraphBucket) -> tuple[Copy, ...]:
+    """``bucket.copies``, a constant to dynamo (no guard on each field it reads: they never change)."""
+    return bucket.copies
 
 
 def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, traced: bool) -> list[torch.Tensor]:
@@ -312,7 +322,7 @@ def _send(group: CompiledGroup, i: int, shard: torch.Tensor, param_dtype: torch.
     """What parameter ``i`` sends in a bucket of bytes: its hook's inputs and metadata, or its padded shard."""
     p = group.params[i]
     if p.extension is None:
-        return [_padded(shard, p).reshape(-1).to(param_dtype)], None
+        return [_padded(shard, p.layout.padded_rows).to(param_dtype)], None
     return extension.pre_all_gather(shard, group.extension_mesh, p.shape, p.slots[0].module, group.mp_policy, f"parameter '{p.fqn}'", group.hook_arity[i])
 
 
@@ -331,19 +341,24 @@ class _Attach(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.dtype, device=ctx.device), None
 
 
-def _padded(shard: torch.Tensor, p: ShardedParam) -> torch.Tensor:
-    """This rank's rows followed by zero rows up to ``padded_rows`` (the all-gather's input)."""
-    missing = p.layout.padded_rows - shard.shape[0]  # (the layout's fields, not ShardedParam's properties: less for dynamo to trace)
-    return shard if missing == 0 else torch.cat([shard, shard.new_zeros(missing, *shard.shape[1:])])
+def _padded(shard: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """This rank's rows followed by zero rows up to ``padded_rows``, flat (the all-gather's input)."""
+    missing = padded_rows - shard.shape[0]
+    return shard.reshape(-1) if missing == 0 else torch.cat([shard, shard.new_zeros(missing, *shard.shape[1:])]).reshape(-1)
+
+
+def _rows(column: torch.Tensor, shape: tuple, keep: int) -> torch.Tensor:
+    """A parameter's column ``(world, shard_numel)`` as its unsharded padded shape, the padding
+    rows cut (``keep``; -1: none to cut; a slice of every row would cost a copy in backward)."""
+    full = column.view(shape)
+    return full if keep < 0 else full[:keep]
 
 
 def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
     """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
     (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
     layout = p.layout
-    full = column.view(layout.unsharded_padded_shape)
-    if layout.unsharded_padded_shape[0] != layout.shape[0]:  # padding rows to cut (a slice of every row would cost a copy in backward)
-        full = full[: layout.shape[0]]
+    full = _rows(column, layout.unsharded_padded_shape, layout.shape[0] if layout.unsharded_padded_shape[0] != layout.shape[0] else -1)
     if p.tp_spec is None:
         return full
     spec = p.tp_spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ class GraphBucket:
     # A group with parameters that all-gather themselves (fsdp_pre_all_gather): all its buckets
     # gather bytes, those parameters' hook inputs and the others' shards (gather._self_gathered)
     as_bytes: bool = False
+    copies: tuple["Copy", ...] = ()  # per parameter, what the gather reads of its layout (made with the bucket)
 
     @property
     def reduced_numel(self) -> int:
@@ -204,10 +205,28 @@ class CompiledGroup:
             bucket.indices.append(i)
             bucket.numels.append(p.shard_numel)
         self.buckets = list(buckets.values())
+        for bucket in self.buckets:
+            bucket.copies = tuple(Copy.of(i, self.params[i]) for i in bucket.indices)
         for b in range(len(self.buckets)):
             self.presence_leaf(b)  # made here, outside any compiled region
             if not self.reshard_after_backward:
                 self.kept_leaf(b)
+
+
+class Copy(NamedTuple):
+    """What the gather of a graph needs of one parameter's layout, in plain values: dynamo reads
+    a bucket's as one constant (gather._copies) instead of guarding each field it reads."""
+
+    index: int  # into the group's params
+    padded_rows: int  # its shard's rows with padding: the all-gather's input
+    shape: tuple[int, ...]  # the all-gather output's column for it as a tensor (layout.unsharded_padded_shape)
+    keep: int  # its rows (dim 0) of that, or -1 where there is no padding row to cut
+    tp: bool  # tensor parallel: the parameter is a DTensor again (gather._unsharded)
+
+    @staticmethod
+    def of(i: int, p: ShardedParam) -> "Copy":
+        full, rows = p.layout.unsharded_padded_shape, p.layout.shape[0]
+        return Copy(i, p.layout.padded_rows, tuple(full), rows if full[0] != rows else -1, p.tp_spec is not None)
 
 
 # set_reshard_after_backward(False): an optimizer step over a group's parameters makes what its
