@@ -263,7 +263,7 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
             # each parameter's column (world, shard_numel), copied out contiguous in one op (no copy for one parameter)
             columns = torch.split_with_sizes_copy(rows, bucket.numels, dim=1) if len(copies) > 1 else (rows,)
             for c, column in zip(copies, columns):
-                unsharded[c.index] = _unsharded(column, group.params[c.index]) if c.tp else _rows(column, c.shape, c.keep)
+                unsharded[c.index] = _unsharded(column, c, group.params[c.index] if c.tp else None)
             if bucket.as_bytes:
                 for c, mark, built in zip(copies, bucket_marks.unbind(), _self_gathered(group, bucket, shards, traced)):
                     unsharded[c.index] = _Attach.apply(unsharded[c.index], mark, built)
@@ -307,10 +307,10 @@ def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, tra
         received = _all_gather(send, group.name, group.shard, traced) if world > 1 else send
         columns = iter(received.view(world, -1).split([t.numel() * t.element_size() for t in inputs], dim=1))
         built = []
-        for i, (ins, metadata) in zip(bucket.indices, sent):
-            p = group.params[i]
+        for c, (ins, metadata) in zip(bucket.copies, sent):
+            i, p = c.index, group.params[c.index]
             if p.extension is None:
-                built.append(_unsharded(next(columns).contiguous().view(bucket.param_dtype), p))  # (world, shard_numel) -> the parameter
+                built.append(_unsharded(next(columns).contiguous().view(bucket.param_dtype), c, p))  # (world, shard_numel) -> the parameter
                 continue
             outputs = tuple(next(columns).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in ins)  # (world * rows, ...)
             tensor, _ = shards[i].fsdp_post_all_gather(outputs, metadata, bucket.param_dtype)
@@ -347,19 +347,15 @@ def _padded(shard: torch.Tensor, padded_rows: int) -> torch.Tensor:
     return shard.reshape(-1) if missing == 0 else torch.cat([shard, shard.new_zeros(missing, *shard.shape[1:])]).reshape(-1)
 
 
-def _rows(column: torch.Tensor, shape: tuple, keep: int) -> torch.Tensor:
-    """A parameter's column ``(world, shard_numel)`` as its unsharded padded shape, the padding
-    rows cut (``keep``; -1: none to cut; a slice of every row would cost a copy in backward)."""
-    full = column.view(shape)
-    return full if keep < 0 else full[:keep]
-
-
-def _unsharded(column: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+def _unsharded(column: torch.Tensor, copy: Copy, p: ShardedParam | None) -> torch.Tensor:
     """A parameter's column ``(world, shard_numel)`` of the all-gather output as the unsharded
-    (TP-local) parameter; a DTensor with its TP placements again under tensor parallel."""
-    layout = p.layout
-    full = _rows(column, layout.unsharded_padded_shape, layout.shape[0] if layout.unsharded_padded_shape[0] != layout.shape[0] else -1)
-    if p.tp_spec is None:
+    (TP-local) parameter: its padded shape, the padding rows cut (none cut where there are none:
+    a slice of every row would cost a copy in backward); under tensor parallel (``copy.tp``, ``p``
+    given) a DTensor with its TP placements again."""
+    full = column.view(copy.shape)
+    if copy.keep >= 0:
+        full = full[: copy.keep]
+    if not copy.tp:
         return full
     spec = p.tp_spec
     # On a full SPMD mesh (dp_mesh_dims) the gradient keeps a Partial on the data-parallel dims
