@@ -105,7 +105,8 @@ class CompiledFSDPModule(FSDPModule):
         parameters, ``load_state_dict``, ``.to()`` or ``reshard()`` drops it, and the next
         forward all-gathers the shards as they are then (FSDP2 would use the stale parameters
         after a step). ``True`` (the default): the backward graph frees them. One graph for a
-        backward that keeps, one for a forward that uses what was kept."""
+        backward that keeps, one for a forward that uses what was kept. Read at forward: set
+        between a forward and its backward, it holds from the next forward (FSDP2: at that backward)."""
         for group in _groups(self, recurse):
             group.reshard_after_backward = bool(reshard_after_backward)
             for b in range(len(group.buckets)) if not reshard_after_backward else ():

@@ -60,11 +60,12 @@ def run_example(spec: Spec, commands: list[tuple], meshes: dict, verbose: bool =
         stats["skipped"] += sum(1 for line in run.log if "skipped" in line)
         torch_side = run.sides[1]
         why = "compared to the end" if torch_side.alive else re.sub(r"^\(.*?\): ", "", torch_side.why_out)[:90]
+        why = f"bf16 witness, tied in one group: {why}" if torch_side.witness_only else why
         stats["fsdp2"][why] = stats["fsdp2"].get(why, 0) + 1
         stats["optim"][spec.optim] = stats["optim"].get(spec.optim, 0) + 1
     if verbose and dist.get_rank() == 0:
         for side in run.sides:
-            print(f"  {side.impl}: {'compared to the end' if side.alive else 'out: ' + side.why_out}")
+            print(f"  {side.impl}{' (bf16 witness only)' if side.witness_only else ''}: {'compared to the end' if side.alive else 'out: ' + side.why_out}")
     return None
 
 

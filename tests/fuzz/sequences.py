@@ -27,7 +27,7 @@ import contextlib
 import copy
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -347,6 +347,7 @@ class Side:
     seen: list = field(default_factory=list)  # collectives of the last call
     muon_expected: list = field(default_factory=list)  # after a step: torch_muon_step's (parameter, full value)
     clip_norm: torch.Tensor | None = None  # what the last clip_grad_norm_ returned
+    witness_only: bool = False  # FSDP2 with the tied weight in one group: vouches for bf16 math only (Run)
 
 
 class Failure(AssertionError):
@@ -368,13 +369,21 @@ class Run:
         for impl in impls:
             model = copy.deepcopy(base)
             side = Side(impl, model)
+            layout = spec
+            if impl == "torch" and spec.tied == "across" and spec.mp and numerics:
+                # FSDP2 cannot hold a weight in two groups, so nothing would vouch for a value that
+                # bf16 math puts off the fp32 reference (_compare). With the weight in one group (the
+                # root's) it computes the same bf16 math: shardkit's gradients were bit for bit equal
+                # both ways where it was off by 0.19 of the largest element (make fuzz seed 82837).
+                # Its values are that witness only: not compared with shardkit's, nor its collectives.
+                layout, side.witness_only = replace(spec, tied="same"), True
             try:
-                shard(model, spec, impl, self.mesh, meshes)
+                shard(model, layout, impl, self.mesh, meshes)
             except Exception as e:  # FSDP2 rejects this model: shardkit alone
                 if impl == "shardkit":
                     raise
                 side.alive, side.why_out = False, f"fully_shard: {type(e).__name__}: {e}"
-            if impl == "torch" and spec.tied == "across":  # shardkit only: FSDP2 manages the weight in both groups
+            if impl == "torch" and spec.tied == "across" and not side.witness_only:  # shardkit only: FSDP2 manages the weight in both groups
                 side.alive, side.why_out = False, "weights tied across groups"
             if impl == "torch" and spec.swap_data and numerics:
                 # FSDP2 keeps the data a forward gave the parameter and never refills it from a
@@ -472,6 +481,12 @@ class Run:
         if name == "set" and args[0] in ("modules_to_forward_prefetch", "modules_to_backward_prefetch") and _prefetches_back(*args):
             # A prefetch of a group that already ran in this pass: FSDP2 keeps that all-gather
             # for the group's next unshard (in the other pass), shardkit frees it at the pass's end.
+            self.gathers_comparable = False
+        if name == "set" and args[0] == "reshard_after_backward" and self.spec.compiled_mode and self.ref_loss is not None:
+            # Compiled mode reads the setting at forward (its backward is compiled with it): set
+            # between a forward and its backward it holds from the next forward, where FSDP2 applies
+            # it at this backward. The same numbers; the next forward's all-gathers differ (make
+            # fuzz seed 82833, fake tier).
             self.gathers_comparable = False
         if name == "set" and args[0] == "reduce_scatter_unused_params" and args[2] and self.spec.unused:
             self.fsdp2_zero_grads = True
@@ -621,7 +636,7 @@ class Run:
         side.alive, side.why_out = False, f"disagrees with the reference: {why}"
 
     def _compare_with_fsdp2(self, cmd: tuple) -> None:
-        if len(self.live_sides()) < 2:
+        if len(self.live_sides()) < 2 or self.sides[1].witness_only:
             return
         mine, theirs = self.sides[0], self.sides[1]
         pairs = [(f"parameter {name}", mine.params[name], theirs.params[name]) for name in self.ref_params]
@@ -647,7 +662,7 @@ class Run:
                 raise Failure(str(e)) from None
 
     def _check_collectives(self, cmd: tuple) -> None:
-        if len(self.live_sides()) < 2 or self.lockstep:
+        if len(self.live_sides()) < 2 or self.lockstep or self.sides[1].witness_only:
             return
         mine, theirs = comparable(self.sides[0].seen), comparable(self.sides[1].seen)
         labels = ("all-gathers (dtype, numel)", "reductions (op)", "all-reduces (op)", "the optimizer's all-to-alls (dtype, sent, received)")
