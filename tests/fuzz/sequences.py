@@ -508,6 +508,9 @@ class Run:
         outcomes: dict[str, BaseException | None] = {}
         audits: dict[str, Any] = {}
         for side in self.live_sides():
+            if side.witness_only and name in ("unshard", "reshard") and args[0] == "head":
+                outcomes[side.impl] = None  # its head is in the root's group: nothing of its own to gather or free
+                continue
             recorder = Collectives(optimizer_step=name == "step") if self.compare_collectives else contextlib.nullcontext()
             # shardkit's side alone: the dtype audit holds whatever FSDP2 does (checked below)
             audit = Audit(*self.meshes.values(), all_to_all_sums=name != "step") if side.impl == "shardkit" else contextlib.nullcontext()
