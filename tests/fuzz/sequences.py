@@ -508,8 +508,8 @@ class Run:
         outcomes: dict[str, BaseException | None] = {}
         audits: dict[str, Any] = {}
         for side in self.live_sides():
-            if side.witness_only and name in ("unshard", "reshard") and args[0] == "head":
-                outcomes[side.impl] = None  # its head is in the root's group: nothing of its own to gather or free
+            if side.witness_only and _on_the_heads_group_alone(name, args):
+                outcomes[side.impl] = None  # its head is in the root's group: a call that changes no number, skipped
                 continue
             recorder = Collectives(optimizer_step=name == "step") if self.compare_collectives else contextlib.nullcontext()
             # shardkit's side alone: the dtype audit holds whatever FSDP2 does (checked below)
@@ -981,6 +981,18 @@ KNOBS = {
     "custom_comms": ("on", False),  # set_custom_all_gather / set_custom_reduce_scatter (plain torch.distributed)
     "lockstep": ("bool", False),  # shardkit only (FSDP2 has no set_lockstep: nothing is called there)
 }
+
+
+def _on_the_heads_group_alone(name: str, args: list) -> bool:
+    """A call on the head's own group (a weight tied across groups) that changes no number: the
+    bf16 witness, whose head is in the root's group, skips it (Run). The knobs that change the
+    gradients (sync, all-reduce, divide factor) make it drop out instead."""
+    if name in ("unshard", "reshard"):
+        return args[0] == "head"
+    if name != "set" or args[0] in ("requires_gradient_sync", "requires_all_reduce", "gradient_divide_factor"):
+        return False
+    knob, target, value = args
+    return target == "head" or KNOBS[knob][0] == "prefetch" and "head" in value
 
 
 def _computed_alike(values: dict) -> bool:

@@ -33,7 +33,8 @@ def test_random_call_sequences_train_as_the_unsharded_model_and_fsdp2(tmp_path):
 #    after an AdamW step a gradient is 0.19 of its largest element off the fp32 reference, the
 #    same bits as with the weight in one group, which FSDP2 computes alike. FSDP2 cannot run the
 #    weight in two groups, so it runs it in one as the bf16 witness (sequences.Run).
-# 2. The same after unshard("head"): the witness has no head group; it skips that call.
+# 2., 3. The same after unshard("head") or a setting of the head's group that changes no number:
+#    the witness has no head group; it skips such calls (sequences._on_the_heads_group_alone).
 REPROS = Path(__file__).with_name("repros.jsonl")
 
 
