@@ -117,7 +117,6 @@ def fully_shard(
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
     group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard, mp_policy, owners, post_forward_mesh)
     _check_owners(group, borrowed)
-    unused.register(group)
     for p, owner, _ in borrowed:
         owner.lent.add(owner.params.index(p))
     overlap.GROUPS.update(comm.pg_name for comm in (group.shard, *(group.post_forward or ())))

@@ -18,6 +18,16 @@ from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.policies import MixedPrecisionPolicy
 
 
+_BY_UID: "weakref.WeakValueDictionary[str, CompiledGroup]" = weakref.WeakValueDictionary()
+
+
+def by_uid(uid: str) -> "CompiledGroup":
+    """The group whose ``uid`` this is: what a call that dynamo puts in the graph as one op
+    (``allow_in_graph``: ``gather._bucket_gathered``, ``unused._read``) takes instead of the
+    group, an object it cannot hold."""
+    return _BY_UID[uid]
+
+
 @dataclass
 class GraphBucket:
     """The parameters of a group that travel in one collective of the graph: one original, one
@@ -107,9 +117,10 @@ class CompiledGroup:
         self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
         self.marks: list[torch.Tensor] = []  # with them: each parameter's mark (unused.py)
         self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
-        # unused.register; a string: an int that differs between two models' groups would turn
-        # symbolic when dynamo compiles the second (automatic dynamic), and no dict key
+        # what the graph's calls name the group by (by_uid); a string: an int that differs between two
+        # models' groups would turn symbolic when dynamo compiles the second (automatic dynamic)
         self.uid = f"group-{id(self)}"
+        _BY_UID[self.uid] = self
         self.reads: set[int] = set()  # unused.py: what the forward being traced read,
         self.unread: set[int] = set()  # what some traced forward did not read (watched),
         self.hooked: dict[int, torch.Tensor] = {}  # bucket -> its presence leaf with the hook that checks them,

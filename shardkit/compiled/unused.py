@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardkit.compiled.group import CompiledGroup
+from shardkit.compiled.group import CompiledGroup, by_uid
 
 
 class _Read(torch.autograd.Function):
@@ -59,16 +59,8 @@ def _read(param: torch.Tensor, mark: torch.Tensor, uid: str, i: int) -> torch.Te
     """In the graph as one call: dynamo runs it (on fake tensors) once while tracing, which
     notes the read as ``read`` would. The demo GPT's first compiled step (aot_eager, best of 3)
     took 1.5 s longer with ``_Read`` and the note traced apart, 0.8 s with this."""
-    _GROUPS[uid].reads.add(i)
+    by_uid(uid).reads.add(i)
     return _Read.apply(param, mark)
-
-
-_GROUPS: "weakref.WeakValueDictionary[str, CompiledGroup]" = weakref.WeakValueDictionary()  # by uid
-
-
-def register(group: CompiledGroup) -> None:
-    """Make ``group`` known to ``_read`` by its ``uid`` (at ``fully_shard``, outside any graph)."""
-    _GROUPS[group.uid] = group
 
 
 _UNREAD_IN_REGION: dict[int, set[int]] = {}  # region id -> the parameters its traced body did not read
