@@ -71,8 +71,14 @@ def stack_batches(n: int, size: int = 8, seed: int = 1) -> list[Batch]:
     return [(torch.randn(size, 8, generator=g), torch.randn(size, 3, generator=g)) for _ in range(n)]
 
 
-def small_gpt() -> GPT:
-    return GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0, tie_weights=True))
+def small_gpt(n_layer: int = 2) -> GPT:
+    return GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, dropout=0.0, tie_weights=True))
+
+
+def one_block_gpt() -> GPT:
+    """``small_gpt`` with one block (a root and one group): for checks of a per-group setting
+    that compile on 4 ranks, where each block costs every rank its trace."""
+    return small_gpt(n_layer=1)
 
 
 def gpt_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
