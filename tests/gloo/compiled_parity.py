@@ -23,11 +23,11 @@ def shard(mode: str, mesh, **kwargs):
     return apply
 
 
-def train(mesh, mode: str, backend=None, **kwargs) -> tuple[Parity, list[torch.Tensor]]:
-    """3 AdamW steps of the small GPT, its gradients and losses checked against the unsharded
-    model at each (``Parity``); the losses, for the other mode to compare."""
+def train(mesh, mode: str, backend=None, build=small_gpt, **kwargs) -> tuple[Parity, list[torch.Tensor]]:
+    """3 AdamW steps of the small GPT (or what ``build`` makes), its gradients and losses checked
+    against the unsharded model at each (``Parity``); the losses, for the other mode to compare."""
     torch._dynamo.reset()
-    p = Parity.build(small_gpt, shard(mode, mesh, **kwargs), mesh, "compiled", loss_of=gpt_loss)
+    p = Parity.build(build, shard(mode, mesh, **kwargs), mesh, "compiled", loss_of=gpt_loss)
     if backend is not None:
         p.model = torch.compile(p.model, backend=backend, fullgraph=True)
     return p, [step.loss for step in p.train(gpt_batches(STEPS))]

@@ -15,7 +15,7 @@ import torch
 
 from compiled_parity import STEPS, assert_same_bits, shard, train
 from gloo_harness import Checks, run_worker
-from gloo_parity import Parity, gpt_batches, gpt_loss, small_gpt
+from gloo_parity import Parity, gpt_batches, gpt_loss, one_block_gpt, small_gpt
 from shardkit.policies import MixedPrecisionPolicy
 
 checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
@@ -95,12 +95,12 @@ def mixed_precision_and_accumulation_without_sync_match_eager_shardkit_bit_for_b
     shardkit (the same casts; the kept unsharded gradients summed in reduce_dtype, added before
     the one reduce-scatter), gradients in the shards' fp32. (In fp32, the summed gradients
     against the unsharded model's: test_compiled_mode_kept.py, and without torch.compile the
-    fuzzer's call sequences.)"""
+    fuzzer's call sequences.) One block: the settings are per group."""
     for policy in (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),):
         runs, losses = {}, {}
         for mode, backend in (("eager", None), ("compiled", "aot_eager")):
             torch._dynamo.reset()
-            p = Parity.build(small_gpt, shard(mode, mesh, mp_policy=policy), mesh, "compiled", loss_of=gpt_loss)
+            p = Parity.build(one_block_gpt, shard(mode, mesh, mp_policy=policy), mesh, "compiled", loss_of=gpt_loss)
             run = p.model if backend is None else torch.compile(p.model, backend=backend, fullgraph=True)
             sharded, p.model, losses[mode] = p.model, run, []
             for step, microbatches in enumerate((1, 3)):
