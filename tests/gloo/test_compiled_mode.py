@@ -117,6 +117,35 @@ def mixed_precision_and_accumulation_without_sync_match_eager_shardkit_bit_for_b
         assert_same_bits(runs["compiled"], runs["eager"], what)
 
 
+@checks("shardkit", sim=False)
+def a_transformers_llama_compiles_as_one_graph_and_trains_like_the_unsharded_model(mesh, impl):
+    """A model users bring: transformers' LlamaForCausalLM (one decoder layer, grouped-query
+    attention, rotary embeddings, the embedding tied to the head), each decoder layer then the
+    root sharded in compiled mode and compiled whole (fullgraph, aot_eager): one graph, and 3
+    AdamW steps with the unsharded model's losses and gradients. (Eager mode with transformers'
+    checkpoints: test_pretrained.py.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from torch._dynamo.utils import counters
+
+    import shardkit.compiled
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+
+    def sharded(model):
+        for layer in model.model.layers:
+            shardkit.compiled.fully_shard(layer, mesh=mesh)
+        shardkit.compiled.fully_shard(model, mesh=mesh)
+
+    torch._dynamo.reset()
+    counters.clear()
+    p = Parity.build(lambda: LlamaForCausalLM(config), sharded, mesh, "compiled", loss_of=lambda model, batch: model(input_ids=batch[0], labels=batch[1]).loss)
+    p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
+    p.train(gpt_batches(STEPS))
+    p.assert_params_match()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (dict(counters["stats"]), dict(counters["graph_break"]))
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_compiled_mode_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
