@@ -118,32 +118,35 @@ def mixed_precision_and_accumulation_without_sync_match_eager_shardkit_bit_for_b
 
 
 @checks("shardkit", sim=False)
-def a_transformers_llama_compiles_as_one_graph_and_trains_like_the_unsharded_model(mesh, impl):
-    """A model users bring: transformers' LlamaForCausalLM (one decoder layer, grouped-query
-    attention, rotary embeddings, the embedding tied to the head), each decoder layer then the
-    root sharded in compiled mode and compiled whole (fullgraph, aot_eager): one graph, and 3
-    AdamW steps with the unsharded model's losses and gradients. (Eager mode with transformers'
-    checkpoints: test_pretrained.py.)"""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def transformers_models_compile_as_one_graph_and_train_like_the_unsharded_model(mesh, impl):
+    """Models users bring, from transformers, one decoder layer each: LlamaForCausalLM
+    (grouped-query attention, rotary embeddings, the embedding tied to the head) and
+    MixtralForCausalLM (a mixture of 4 experts, 2 per token: routing that depends on the data,
+    experts some rank's tokens skip). Each decoder layer then the root sharded in compiled mode
+    and compiled whole (fullgraph, aot_eager): one graph, and 3 AdamW steps with the unsharded
+    model's losses and gradients. (Eager mode with transformers' checkpoints: test_pretrained.py.)"""
+    import transformers
     from torch._dynamo.utils import counters
 
     import shardkit.compiled
 
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    models = {"llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True)),
+              "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))}
 
     def sharded(model):
         for layer in model.model.layers:
             shardkit.compiled.fully_shard(layer, mesh=mesh)
         shardkit.compiled.fully_shard(model, mesh=mesh)
 
-    torch._dynamo.reset()
-    counters.clear()
-    p = Parity.build(lambda: LlamaForCausalLM(config), sharded, mesh, "compiled", loss_of=lambda model, batch: model(input_ids=batch[0], labels=batch[1]).loss)
-    p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
-    p.train(gpt_batches(STEPS))
-    p.assert_params_match()
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (dict(counters["stats"]), dict(counters["graph_break"]))
+    for name, build in models.items():
+        torch._dynamo.reset()
+        counters.clear()
+        p = Parity.build(build, sharded, mesh, "compiled", loss_of=lambda model, batch: model(input_ids=batch[0], labels=batch[1]).loss)
+        p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
+        p.train(gpt_batches(STEPS))
+        p.assert_params_match()
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (name, dict(counters["stats"]), dict(counters["graph_break"]))
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
