@@ -316,7 +316,7 @@ def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, tra
     others' columns viewed back. No autograd here: ``_Attach`` carries the gradient."""
     world = group.shard.world
     with torch.no_grad():
-        sent = [_send(group, i, shards[i], bucket.param_dtype) for i in bucket.indices]  # (inputs, metadata) per parameter
+        sent = [_send(group, c.index, shards[c.index], bucket.param_dtype) for c in bucket.copies]  # (inputs, metadata) per parameter
         inputs = [t.contiguous() for ins, _ in sent for t in ins]
         send = torch.cat([t.view(-1).view(torch.uint8) for t in inputs])  # this rank's bytes
         received = _all_gather(send, group.name, group.shard, traced) if world > 1 else send

@@ -34,7 +34,6 @@ class GraphBucket:
     param and one reduce dtype (usually the whole group). Not eager mode's buckets
     (``comm/buckets.py``): no bytes, no grad-presence column, one reduce-scatter per all-gather."""
 
-    indices: list[int]  # into the group's params
     numels: list[int]  # padded shard elements per parameter
     dtype: torch.dtype
     param_dtype: torch.dtype
@@ -43,12 +42,17 @@ class GraphBucket:
     # A group with parameters that all-gather themselves (fsdp_pre_all_gather): all its buckets
     # gather bytes, those parameters' hook inputs and the others' shards (gather._self_gathered)
     as_bytes: bool = False
-    copies: tuple["Copy", ...] = ()  # per parameter, what the gather reads of its layout (made with the bucket)
+    copies: tuple["Copy", ...] = ()  # per parameter, in order: its index and what the gather reads of its layout
+
+    @property
+    def indices(self) -> list[int]:
+        """Its parameters, as indices into the group's params (outside the graph: traced code reads ``copies``)."""
+        return [c.index for c in self.copies]
 
     @property
     def reduced_numel(self) -> int:
         """One rank's part of the reduce-scatter: its rows, then one grad-presence count per parameter."""
-        return sum(self.numels) + len(self.indices)
+        return sum(self.numels) + len(self.copies)
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ class CompiledGroup:
     def presence_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf whose ``.grad`` gets, per parameter, how many ranks used it
         (divided as the gradients are: only whether it is zero counts; unused.py)."""
-        return self._leaf(self._presence, b, len(self.buckets[b].indices))
+        return self._leaf(self._presence, b, len(self.buckets[b].copies))
 
     def registered(self) -> list[torch.Tensor]:
         """The sharded parameters as the modules hold them now (``.to()`` may have swapped them)."""
@@ -184,7 +188,7 @@ class CompiledGroup:
 
     def _leaf(self, leaves: dict[int, torch.Tensor], b: int, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         if b not in leaves:
-            bucket, p = self.buckets[b], self.params[self.buckets[b].indices[0]]
+            bucket, p = self.buckets[b], self.params[self.buckets[b].copies[0].index]
             dtype = bucket.reduce_dtype if dtype is None else dtype
             leaves[b] = torch.zeros((), dtype=dtype, device=p.device).expand(numel).detach().requires_grad_()
         return leaves[b]
@@ -212,12 +216,10 @@ class CompiledGroup:
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
             key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i), self.extension_mesh is not None)
-            bucket = buckets.setdefault(key, GraphBucket([], [], *key))
-            bucket.indices.append(i)
+            bucket = buckets.setdefault(key, GraphBucket([], *key))
             bucket.numels.append(p.shard_numel)
+            bucket.copies += (Copy.of(i, p),)
         self.buckets = list(buckets.values())
-        for bucket in self.buckets:
-            bucket.copies = tuple(Copy.of(i, self.params[i]) for i in bucket.indices)
         for b in range(len(self.buckets)):
             self.presence_leaf(b)  # made here, outside any compiled region
             if not self.reshard_after_backward:
