@@ -201,7 +201,7 @@ class Settings(NamedTuple):
     def of(group: CompiledGroup) -> "Settings":
         reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
         grad = torch.is_grad_enabled()
-        post_forward = bool(reshard) and group.post_forward is not None and grad
+        post_forward = bool(reshard) and group.two_step and grad
         keep = not group.reshard_after_backward and grad
         return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by, bool(group.requires_all_reduce), post_forward, keep)
 

@@ -113,6 +113,9 @@ class CompiledGroup:
         self.hook_arity = {i: extension.pre_all_gather_arity(p.sharded_param._local_tensor) for i, p in enumerate(params) if p.extension is not None}
         # reshard_after_forward=R: the forward's all-gather in two steps, (ranks equal modulo R, R consecutive ranks)
         self.post_forward: PostForward | None = PostForward.of(post_forward_mesh, self.shard) if post_forward_mesh is not None else None
+        # whether it is in effect: set_reshard_after_forward replaces it, and the meshes stay for a
+        # backward that recomputes a forward which gathered in two steps
+        self.two_step = self.post_forward is not None
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
         self.requires_gradient_sync = True  # set_requires_gradient_sync

@@ -56,7 +56,7 @@ class CompiledFSDPModule(FSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for group in _groups(self, recurse):
-            group.reshard_after_forward, group.post_forward = reshard_after_forward, None
+            group.reshard_after_forward, group.two_step = reshard_after_forward, False
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""

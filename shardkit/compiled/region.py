@@ -95,7 +95,7 @@ def group_layout(group: CompiledGroup) -> tuple:
     buckets = tuple((tuple(b.indices), tuple(b.numels), str(b.param_dtype), str(b.reduce_dtype)) for b in group.buckets)
     params = tuple((p.padded_rows, tuple(p.layout.unsharded_padded_shape), p.shape[0]) for p in group.params)
     replicate = (group.replicate.pg_name, group.replicate.world) if group.replicate is not None else None
-    post_forward = tuple((c.pg_name, c.world) for c in group.post_forward) if group.post_forward is not None else None
+    post_forward = tuple((c.pg_name, c.world) for c in group.post_forward) if group.two_step else None
     return (group.shard.pg_name, group.shard.world, replicate, post_forward, buckets, params, str(group.mp_policy))
 
 

@@ -81,9 +81,9 @@ def test_peak_memory_lies_between_resharding_and_keeping_and_at_most_eagers():
 def test_set_reshard_after_forward_replaces_the_int_and_an_int_of_1_or_the_world_is_a_bool():
     with fake_world(WORLD) as mesh:
         model = gpt(shardkit.compiled.fully_shard, mesh=mesh, reshard_after_forward=2)
-        assert model.blocks[0]._shardkit_state.post_forward is not None
+        assert model.blocks[0]._shardkit_state.two_step
         model.set_reshard_after_forward(True)  # as eager mode: a bool replaces the int
-        assert all(b._shardkit_state.post_forward is None for b in model.blocks)
+        assert not any(b._shardkit_state.two_step for b in model.blocks)  # (its meshes stay, for a backward pending)
         assert [w for w, _ in gathers(compiled_step_of(model).graphs["forward"][0])] == [WORLD] * 3
         with pytest.warns(UserWarning, match="reshard_after_forward=1"):
             one = shardkit.compiled.fully_shard(torch.nn.Linear(8, 8), mesh=mesh, reshard_after_forward=1)

@@ -47,6 +47,10 @@ def test_random_call_sequences_issue_fsdp2s_collectives(data):
 # 1. (seed 82833) compiled mode, set_reshard_after_backward(False) between a forward and its
 #    backward: compiled mode reads it at forward, FSDP2 at that backward, so the next forward's
 #    all-gathers differ (sequences.Run.execute stops comparing them; the numbers are the same).
+# 2. (seed 96811) compiled mode run without torch.compile, reshard_after_forward=2, then
+#    set_reshard_after_forward(False) between a forward and its backward: the backward recomputes
+#    the forward's two-step gather, whose meshes the setting had dropped (AttributeError; FSDP2
+#    fails there too). The group keeps them (CompiledGroup.two_step says whether they are in effect).
 def test_the_examples_make_fuzz_once_failed_pass():
     from pathlib import Path
 
