@@ -9,8 +9,11 @@ is how the parameters are gathered: no hooks and no schedule. A group's forward 
 ``gather`` (gather.py): the group's shards, cast to ``param_dtype``, laid end to end and
 all-gathered in ONE functional collective, whose autograd backward is ONE reduce-scatter of
 the gradients in ``reduce_dtype`` (HSDP: then an all-reduce over the replicas), divided as
-eager mode divides. The modules read their parameters through class properties that return
-the gathered tensors while their group's forward runs (the sharded DTensors otherwise).
+eager mode divides. The graph's inputs are plain leaves sharing the shards' storage, not the
+DTensors (``CompiledGroup.make_leaves``); their gradients go to the parameters' ``.grad``, with
+the parameters' post-accumulate-grad hooks. The modules read their parameters through class
+properties that return the gathered tensors while their group's forward runs (the sharded
+DTensors otherwise).
 Dynamo traces all of it: ``torch.compile(model, fullgraph=True)`` gives one forward and one
 backward graph, and inductor's scheduler gets a last pass (overlap.py) that issues each
 group's all-gather during the previous group's compute and waits for each reduce-scatter
@@ -71,7 +74,7 @@ from shardkit import api, meshes
 from shardkit.compiled import overlap, region, unused
 from shardkit.compiled.gather import gather
 from shardkit.compiled.group import CompiledGroup
-from shardkit.compiled.module import CompiledFSDPModule
+from shardkit.compiled.module import CompiledFSDPModule, following_register_parameter
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.module import accept_full_tensors
 from shardkit.optim import local_step
@@ -125,12 +128,18 @@ def fully_shard(
         p.add_slots(slots, unsharded=False)
     accept_full_tensors([(slot, p) for p, _, slots in borrowed for slot in slots])
     _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
-    inner_groups = []
+    group.make_leaves()
+    inner_groups, params = [], {}
     for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
         inner = state_of(m)
-        if isinstance(inner, CompiledGroup) and inner is not group and inner.modules[0] is m:
-            inner.name = fqn
-            inner_groups.append(inner)
+        if isinstance(inner, CompiledGroup) and inner.modules[0] is m:
+            params.update((id(registered), p) for p, registered in zip(inner.params, inner.registered()))
+            if inner is not group:
+                inner.name = fqn
+                inner_groups.append(inner)
+    for fqn, param in reversed(list(modules[0].named_parameters(remove_duplicate=False))):
+        if id(param) in params:
+            params[id(param)].named(fqn)  # (a tied weight: its first name)
     region.choose(inner_groups)
     return module
 
@@ -194,6 +203,7 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
         m._register_load_state_dict_pre_hook(lambda *_: group.drop_kept())  # what a backward kept is stale
     for m, names in by_module.items():
         namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
+        namespace["register_parameter"] = following_register_parameter(group, type(m), set(names))
         if m in group.modules:
             namespace["forward"] = gathering(group, type(m).forward)
             namespace["_shardkit_plain_forward"] = type(m).forward  # what a region runs (region.py)

@@ -76,7 +76,7 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
         _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
         reduced = _reduce_scatter(grad, shard)  # (per_rank + n,)
         _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
-    if group.all_reduces and not settings.all_reduce:  # kept for the next all-reduce
+    if group.hsdp and not settings.all_reduce:  # kept for the next all-reduce
         return None, None, reduced, None
     if partial is not None:  # as eager mode: this backward's sums, plus those kept
         reduced = reduced + partial
@@ -214,13 +214,13 @@ class Settings(NamedTuple):
 
 
 def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
-    """The group's shards as the modules hold them now, and what ``_GatherGraphBucket`` takes as
+    """The group's shards as the modules hold them now (their leaves: ``CompiledGroup.inputs``), and what ``_GatherGraphBucket`` takes as
     ``unreduced`` (per bucket), as ``partial`` (per bucket: the kept sums or the leaves), as
     ``presence``, as ``reuse`` and as ``keep`` (per bucket each)."""
-    shards = tuple(param.to_local() for param in group.registered())
+    shards = group.inputs()
     buckets = list(enumerate(settings.per_bucket(group)))
     unreduced = tuple(group.take_unreduced(b) if s.sync else group.unreduced_leaf(b) for b, s in buckets)
-    partial = tuple(None if not group.all_reduces or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
+    partial = tuple(None if not group.hsdp or not s.sync else group.take_partial(b) if s.all_reduce else group.partial_leaf(b) for b, s in buckets)
     presence = tuple(group.presence_leaf(b) for b, _ in buckets)
     reuse = tuple(group.kept(b, take=torch.is_grad_enabled()) for b, _ in buckets)  # (None where nothing was kept)
     keep = tuple(group.kept_leaf(b) if s.keep else None for b, s in buckets)

@@ -3,6 +3,7 @@ its modules take on."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -10,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit.comm.collectives import backend_of
@@ -104,6 +106,7 @@ class CompiledGroup:
         (``meshes.post_forward_split``)."""
         self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy  # mesh: 1-D, or 2-D (replicate, shard)
         self.owners = owners or {}
+        self.owner_index = {i: owner.params.index(params[i]) for i, owner in self.owners.items()}  # (the parameter in its owner's)
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
         self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
         self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
@@ -131,14 +134,21 @@ class CompiledGroup:
         self.reads: set[int] = set()  # unused.py: what the forward being traced read,
         self.unread: set[int] = set()  # what some traced forward did not read (watched),
         self.hooked: dict[int, torch.Tensor] = {}  # bucket -> its presence leaf with the hook that checks them,
-        self.last_grads: dict[int, Any] = {}  # the .grad each had after the last check (a weakref),
+        self.pending: dict[int, torch.Tensor] = {}  # the gradients of those this backward reduced, held for the check,
         self.check_queued = False  # and whether the check at the end of backward is queued
         self.region = False  # its forward runs as a nested compile region (region.py)
         self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
         self._partial: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its sums not all-reduced (HSDP)
         self._presence: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad gets the ranks that used each parameter
         self._kept: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its all-gather output after backward
+        self.leaves: list[torch.Tensor | None] = []  # per parameter, the graph's input (make_leaves, once the modules register them; leaf)
         self.make_buckets()
+
+    @property
+    def hsdp(self) -> bool:
+        """A replicate dim, of any size: ``set_requires_all_reduce(False)`` keeps the sums (as
+        FSDP2 keeps them, even for one replica), whether or not an all-reduce runs."""
+        return self.replicate is not None
 
     @property
     def all_reduces(self) -> bool:
@@ -170,6 +180,46 @@ class CompiledGroup:
     def registered(self) -> list[torch.Tensor]:
         """The sharded parameters as the modules hold them now (``.to()`` may have swapped them)."""
         return [p.slots[0].module._parameters[p.slots[0].name] for p in self.params]
+
+    def registered_at(self, i: int) -> torch.Tensor:
+        """Parameter ``i`` as the modules hold it now."""
+        slot = self.params[i].slots[0]
+        return slot.module._parameters[slot.name]
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs (traced): each parameter's leaf, detached where the parameter
+        does not require grad (dynamo guards on that flag: freezing a parameter, or unfreezing
+        it, compiles one more graph, and its gradient follows it, as in eager mode)."""
+        return tuple(self.leaf(i) if param.requires_grad else self.leaf(i).detach() for i, param in enumerate(self.registered()))
+
+    def leaf(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s leaf: a weight tied to an earlier call's takes that call's, so that
+        autograd sums the two calls' gradients into one, and its hooks run once."""
+        owner = self.owners.get(i)
+        return self.leaves[i] if owner is None else owner.leaves[self.owner_index[i]]
+
+    def make_leaves(self) -> None:
+        """Per parameter, its local shard as a plain leaf tensor that requires grad: what the
+        graph takes instead of the DTensor. A DTensor input costs dynamo a fake DTensor and a
+        Python guard on its spec per parameter, and AOTAutograd an unwrap at every call: the
+        2-block test GPT's first step was a quarter shorter, and a step of 8 small blocks
+        (the fake process group, aot_eager) 24-34 -> 19-20 ms, the unsharded model 7-8 ms.
+        The leaf shares the shard's storage (the optimizer's in-place steps reach it); its
+        gradient moves to the parameter's ``.grad`` (``_to_param``). Made again wherever the
+        registered parameters change (module.py: ``.to()``, ``setattr``, ``load_state_dict``)."""
+        self.leaves = []
+        for i, param in enumerate(self.registered()):
+            if i in self.owners:
+                self.leaves.append(None)  # (the owner's: leaf)
+                continue
+            if not isinstance(param, DTensor):
+                raise ValueError(f"shardkit.compiled: parameter '{self.params[i].fqn}' is a {type(param).__name__}, no longer the DTensor "
+                                 "fully_shard made; assign a DTensor sharded as it was (load_state_dict turns full tensors into one).")
+            leaf = param._local_tensor.detach()
+            if leaf.is_floating_point() or leaf.is_complex():
+                leaf.requires_grad_()
+                leaf.register_post_accumulate_grad_hook(functools.partial(_to_param, self, i))
+            self.leaves.append(leaf)
 
     def kept_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for backwards that do not reshard (``set_reshard_after_backward(False)``):
@@ -210,11 +260,16 @@ class CompiledGroup:
         """A later ``fully_shard`` call on a module around ours: it is our parent."""
         self.parent = parent
 
-    def make_buckets(self) -> None:
-        """The parameters by (dtype, param dtype, reduce dtype, owner): one collective each."""
+    def check_movable(self) -> None:
+        """Raises if backwards without sync (or without the all-reduce) kept gradients: a new
+        layout would drop them."""
         if any(leaf.grad is not None for leaf in (*self._unreduced.values(), *self._partial.values())):
             raise RuntimeError(f"shardkit.compiled: {self.name or 'the root'} holds gradients kept without sync or without the all-reduce; "
                                "run a backward with set_requires_gradient_sync(True) and set_requires_all_reduce(True) before moving the model.")
+
+    def make_buckets(self) -> None:
+        """The parameters by (dtype, param dtype, reduce dtype, owner): one collective each."""
+        self.check_movable()
         self._unreduced, self._partial, self._presence, self._kept = {}, {}, {}, {}  # (what was kept is gathered again)
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
@@ -267,6 +322,31 @@ def _stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in list(_KEEPING):
         if any(id(param) in held for param in group.registered()):
             group.drop_kept()
+
+
+def _to_param(group: CompiledGroup, i: int, leaf: torch.Tensor) -> None:
+    """Leaf ``i``'s gradient, reduced by the graph, into its parameter's ``.grad`` (as a
+    DTensor; added where one is there), then the parameter's post-accumulate-grad hooks, as
+    eager mode and FSDP2 give them (``ShardedParam.set_sharded_grad``)."""
+    grad, leaf.grad = leaf.grad, None
+    p, param = group.params[i], group.registered_at(i)
+    if param is not p.sharded_param or not _shares_storage(leaf, param._local_tensor):
+        raise RuntimeError(f"shardkit.compiled: parameter '{p.fqn}' holds a tensor its group did not see (replaced other than by "
+                           "setattr, load_state_dict or .to()): this gradient is for the tensor it held. Replace parameters by one of those.")
+    if not param.requires_grad or grad is None:
+        return
+    if i in group.unread:  # watched (unused.py): whether any rank used it is known at the end of backward
+        group.pending[i] = grad
+    else:
+        p.set_sharded_grad(grad)
+
+
+def _shares_storage(leaf: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether ``leaf`` still holds ``local``'s data (not told for a tensor subclass: a float8
+    weight's storage is its inner tensors'; nor for an empty shard: it has no pointer)."""
+    if type(leaf) is not torch.Tensor or type(local) is not torch.Tensor or not leaf.numel():
+        return True
+    return leaf.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
 
 
 def _take(leaf: torch.Tensor | None) -> torch.Tensor | None:

@@ -26,13 +26,10 @@ class CompiledFSDPModule(FSDPModule):
     _orig_cls_mro_index = 4  # (FSDPFoo, CompiledFSDPModule, FSDPModule, torch's FSDPModule, Foo)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # .to()/.to_empty() replace the sharded parameters' data: the layout follows it
+        for group in _groups(self, recurse=True):
+            group.check_movable()  # before any parameter moves
         result = nn.Module._apply(self, *args, **kwargs)
-        group = self._shardkit()
-        for p in group.params:
-            p.reset_from_registered()
-        group.make_buckets()
-        unused.rewatch(group)
+        follow_registered(self._shardkit())  # .to()/.to_empty() replace the sharded parameters' data
         return result
 
     def _shardkit(self) -> CompiledGroup:
@@ -141,6 +138,28 @@ class CompiledFSDPModule(FSDPModule):
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Accepted; no effect: the graph allocates its buffers itself."""
+
+
+def follow_registered(group: CompiledGroup) -> None:
+    """The modules hold new tensors for the group's parameters (``.to()``, ``setattr``,
+    ``load_state_dict(assign=True)``): the layout, the buckets and the graph's leaves follow them."""
+    for p in group.params:
+        p.reset_from_registered()
+    group.make_leaves()
+    group.make_buckets()  # (raises if backwards without sync kept gradients)
+    unused.rewatch(group)
+
+
+def following_register_parameter(group: CompiledGroup, base: type, names: set[str]) -> Any:
+    """``register_parameter`` of a module holding some of the group's parameters (``names``):
+    ``setattr`` and ``load_state_dict(assign=True)`` register through it."""
+
+    def register_parameter(self: nn.Module, name: str, param: Any) -> None:
+        base.register_parameter(self, name, param)
+        if name in names and param is not None:
+            follow_registered(group)
+
+    return register_parameter
 
 
 def _unsupported_method(name: str):

@@ -224,7 +224,7 @@ def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
     autograd function grows with its inputs times its outputs (0.16 s per block of 12 parameters)."""
     if not settings.sync:
         return tuple(s.detach() for s in shards), kept  # nothing reduced, nothing to record
-    if group.all_reduces and not settings.all_reduce:  # the reduce-scattered sums go to the partial leaves
+    if group.hsdp and not settings.all_reduce:  # the reduce-scattered sums go to the partial leaves
         i = len(group.buckets)  # gather_inputs's kept: unreduced, then partial, per bucket
         return tuple(s.detach() for s in shards), (*kept[:i], _Reductions.apply(group, settings, kept[i]), *kept[i + 1 :])
     i = next((i for i, s in enumerate(shards) if s.requires_grad), None)

@@ -14,16 +14,15 @@ Which parameters a forward did not read is known when dynamo traces it (``forwar
 ``forward_ends`` run at trace time, ``assume_constant_result``, and dynamo runs ``_read`` once
 while tracing each read; without compile, all of them run at every call). Only for those
 (none, in most models) does the end of backward read the counts back (a device sync on GPU,
-as eager mode's when a rank lacks a gradient): a parameter no rank used, without a gradient
-before this backward and with none from outside its group's forward, gets ``.grad = None``
-again (``_after_backward``). A parameter read but not used by the loss (its ``.shape`` only)
-is not watched: it keeps the graph's zero gradient.
+as eager mode's when a rank lacks a gradient): the graph's gradient of such a parameter waits
+for them (``CompiledGroup.pending``), and one that no rank used is dropped (``_after_backward``):
+its ``.grad`` stays as it was, its hooks do not run. A parameter read but not used by the loss
+(its ``.shape`` only) is not watched: it gets the graph's zero gradient.
 A weight tied across calls is not watched (the two calls count it apart): it keeps its zero.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -122,11 +121,6 @@ def rewatch(group: CompiledGroup) -> None:
             group.hooked[b] = leaf
 
 
-def _registered(group: CompiledGroup, i: int) -> nn.Parameter:
-    slot = group.params[i].slots[0]
-    return slot.module._parameters[slot.name]
-
-
 def _counted(group: CompiledGroup) -> None:
     """A backward reduced a bucket with a watched parameter: check them all once it has ended."""
     if not group.check_queued:
@@ -134,28 +128,20 @@ def _counted(group: CompiledGroup) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _after_backward(group))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _after_backward(group: CompiledGroup) -> None:
-    """The end of a backward that reduced a watched parameter: None where no rank used it, and
-    it had no gradient before (``.grad`` is not the tensor the last check left: a new one, which
-    autograd made from this backward's zeros, as it does after ``zero_grad()``; an accumulated or
-    zeroed-in-place one stays the same tensor) and none from outside its group's forward (a
-    regularizer of the loss on the sharded parameter itself: kept, as eager mode keeps it)."""
+    """The end of a backward that reduced a watched parameter: its gradient, held back by
+    ``group._to_param`` until the counts are known, goes to ``.grad`` where some rank used it
+    (with its post-accumulate-grad hooks); where no rank did, it is dropped: ``.grad`` stays as
+    it was (None after ``zero_grad()``; a gradient from outside its group's forward, a
+    regularizer of the loss on the sharded parameter itself, is autograd's and stays), and no
+    hook runs, as in eager mode and FSDP2."""
     group.check_queued = False
+    pending, group.pending = group.pending, {}
     for b, bucket in enumerate(group.buckets):
         leaf = group.presence_leaf(b)
         counts, leaf.grad = leaf.grad, None
-        watched = [(k, i) for k, i in enumerate(bucket.indices) if i in group.unread]
-        if counts is None or not watched:
-            continue
-        values = counts.tolist()
+        watched = [(k, i) for k, i in enumerate(bucket.indices) if i in pending]
+        values = counts.tolist() if counts is not None and watched else None
         for k, i in watched:
-            param = _registered(group, i)
-            seen = group.last_grads.get(i)
-            fresh = param.grad is not None and (seen is None or seen() is not param.grad)
-            if values[k] == 0 and fresh and not _local(param.grad).any():
-                param.grad = None
-            group.last_grads[i] = weakref.ref(param.grad) if param.grad is not None else None
+            if values is None or values[k] != 0:
+                group.params[i].set_sharded_grad(pending[i])

@@ -465,9 +465,12 @@ class ShardedParam:
 
     def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Give the sharded parameter this rank's reduced gradient rows (summing into an existing
-        one), in the original dtype and on the shard's device (CPU when offloaded)."""
+        one), in the original dtype and on the shard's device (CPU when offloaded), then run its
+        post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: an optimizer step
+        per parameter in backward), as FSDP2 does: autograd never accumulates into it."""
+        hooks = post_accumulate_grad_hooks(self.sharded_param)
         if local_grad.dtype != self.dtype or local_grad.device != self.shard_device:
-            if self.pin_memory:  # device-to-host into pinned memory: asynchronous, synced at the end of backward
+            if self.pin_memory and not hooks:  # device-to-host into pinned memory: asynchronous, synced at the end of backward
                 host = torch.empty(local_grad.shape, dtype=self.dtype, pin_memory=True)
                 local_grad = host.copy_(local_grad, non_blocking=True)
             else:
@@ -477,6 +480,14 @@ class ShardedParam:
             self.sharded_param.grad = to_dtensor(local_grad, self.spec)
         else:
             grad._local_tensor.add_(local_grad)
+        for hook in hooks:  # (a hook reads .grad now: no copy of it may still be in flight)
+            hook(self.sharded_param)
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> list:
+    """What ``param.register_post_accumulate_grad_hook`` registered, in order."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
 
 
 def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:

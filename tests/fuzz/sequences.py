@@ -348,6 +348,7 @@ class Side:
     muon_expected: list = field(default_factory=list)  # after a step: torch_muon_step's (parameter, full value)
     clip_norm: torch.Tensor | None = None  # what the last clip_grad_norm_ returned
     witness_only: bool = False  # FSDP2 with the tied weight in one group: vouches for bf16 math only (Run)
+    hook_calls: Counter = field(default_factory=Counter)  # post-accumulate-grad hook calls per parameter, since the last check
 
 
 class Failure(AssertionError):
@@ -427,6 +428,10 @@ class Run:
         for side in self.live_sides():
             side.params = dict(side.model.named_parameters())
             side.optim = Optimizers(side.params, self.spec, reference=False)
+            for name, p in side.params.items():  # (an optimizer stepping in backward would hook here)
+                if not getattr(p, "_fuzz_hooked", False):
+                    p.register_post_accumulate_grad_hook(lambda p, name=name, calls=side.hook_calls: calls.update([name]))
+                    p._fuzz_hooked = True
 
     def live_sides(self) -> list[Side]:
         return [s for s in self.sides if s.alive]
@@ -548,6 +553,7 @@ class Run:
     def check(self, cmd: tuple) -> None:
         if self.compare_collectives:
             self._check_collectives(cmd)
+        self._check_grad_hooks(cmd)
         if not self.numerics:
             return
         if cmd[0] == "step":
@@ -637,6 +643,17 @@ class Run:
         if side.impl == "shardkit":
             raise Failure(why)
         side.alive, side.why_out = False, f"disagrees with the reference: {why}"
+
+    def _check_grad_hooks(self, cmd: tuple) -> None:
+        """Each parameter's post-accumulate-grad hooks ran as often as FSDP2's (once per
+        reduction that gave it a gradient), whatever the values (both tiers)."""
+        calls = [Counter(side.hook_calls) for side in self.sides]
+        for side in self.sides:
+            side.hook_calls.clear()
+        if len(self.sides) < 2 or not all(side.alive for side in self.sides[:2]) or self.sides[1].witness_only or self.fsdp2_zero_grads:
+            return
+        if calls[0] != calls[1]:
+            raise Failure(f"{cmd}: post-accumulate-grad hook calls {dict(calls[0])}, FSDP2's {dict(calls[1])}")
 
     def _compare_with_fsdp2(self, cmd: tuple) -> None:
         if len(self.live_sides()) < 2 or self.sides[1].witness_only:
