@@ -200,11 +200,9 @@ class CompiledGroup:
 
     def make_leaves(self) -> None:
         """Per parameter, its local shard as a plain leaf tensor that requires grad: what the
-        graph takes instead of the DTensor. A DTensor input costs dynamo a fake DTensor and a
-        Python guard on its spec per parameter, and AOTAutograd an unwrap at every call: the
-        2-block test GPT's first step was a quarter shorter, and a step of 8 small blocks
-        (the fake process group, aot_eager) 24-34 -> 19-20 ms, the unsharded model 7-8 ms.
-        The leaf shares the shard's storage (the optimizer's in-place steps reach it); its
+        graph takes instead of the DTensor. A DTensor input costs AOTAutograd a subclass
+        unwrap at every call and dynamo more to trace (docs/usage.md, "The graph's inputs":
+        about a fifth off the first step and a tenth off an aot_eager step). The leaf shares the shard's storage (the optimizer's in-place steps reach it); its
         gradient moves to the parameter's ``.grad`` (``_to_param``). Made again wherever the
         registered parameters change (module.py: ``.to()``, ``setattr``, ``load_state_dict``)."""
         self.leaves = []
