@@ -129,19 +129,25 @@ def fully_shard(
     accept_full_tensors([(slot, p) for p, _, slots in borrowed for slot in slots])
     _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
     group.make_leaves()
+    region.choose(_name_under(modules[0], group))
+    return module
+
+
+def _name_under(root: nn.Module, group: CompiledGroup) -> list[CompiledGroup]:
+    """The names under ``group``'s call (``root``), the outermost so far: each group's FQN and
+    each parameter's (a tied weight: its first); returns the groups inside it."""
     inner_groups, params = [], {}
-    for fqn, m in modules[0].named_modules():  # names under this call, the outermost so far
+    for fqn, m in root.named_modules():
         inner = state_of(m)
         if isinstance(inner, CompiledGroup) and inner.modules[0] is m:
             params.update((id(registered), p) for p, registered in zip(inner.params, inner.registered()))
             if inner is not group:
                 inner.name = fqn
                 inner_groups.append(inner)
-    for fqn, param in reversed(list(modules[0].named_parameters(remove_duplicate=False))):
+    for fqn, param in reversed(list(root.named_parameters(remove_duplicate=False))):
         if id(param) in params:
-            params[id(param)].named(fqn)  # (a tied weight: its first name)
-    region.choose(inner_groups)
-    return module
+            params[id(param)].named(fqn)
+    return inner_groups
 
 
 def _unsupported(shard_placement_fn: Any, offload_policy: Any) -> None:
