@@ -202,13 +202,14 @@ class CompiledGroup:
         """Per parameter, its local shard as a plain leaf tensor that requires grad: what the
         graph takes instead of the DTensor. A DTensor input costs AOTAutograd a subclass
         unwrap at every call and dynamo more to trace (docs/usage.md, "The graph's inputs":
-        about a fifth off the first step and a tenth off an aot_eager step). The leaf shares the shard's storage (the optimizer's in-place steps reach it); its
-        gradient moves to the parameter's ``.grad`` (``_to_param``). Made again wherever the
-        registered parameters change (module.py: ``.to()``, ``setattr``, ``load_state_dict``)."""
+        about a fifth off the first step and a tenth off an aot_eager step). The leaf shares
+        the shard's storage (the optimizer's in-place steps reach it); its gradient moves to
+        the parameter's ``.grad`` (``_to_param``). Made again wherever the registered
+        parameters change (module.py: ``.to()``, ``setattr``, ``load_state_dict``)."""
         self.leaves = []
         for i, param in enumerate(self.registered()):
             if i in self.owners:
-                self.leaves.append(None)  # (the owner's: leaf)
+                self.leaves.append(None)  # a weight tied to an earlier call's: its owner's leaf
                 continue
             if not isinstance(param, DTensor):
                 raise ValueError(f"shardkit.compiled: parameter '{self.params[i].fqn}' is a {type(param).__name__}, no longer the DTensor "
