@@ -218,6 +218,31 @@ def freezing_after_fully_shard_stops_its_updates(mesh, impl):
     p.assert_params_match()
 
 
+@checks()
+def an_optimizer_stepped_in_post_accumulate_grad_hooks_matches_reference(mesh, impl):
+    """Optimizer in backward: an AdamW per parameter, stepped (and its gradient dropped) by the
+    parameter's post-accumulate-grad hook, on both models. The sharded parameters' hooks run
+    once per backward with the reduced gradient (eager shardkit ran none before 2026-12-04:
+    its parameters never moved)."""
+    p = Parity.build(Stack, shard_blocks_then_root(impl, mesh), mesh, impl)
+    for model in (p.model, p.ref):
+        optimizers = {param: torch.optim.AdamW([param], lr=1e-2) for param in model.parameters()}
+
+        def step_in_backward(param, optimizers=optimizers):
+            optimizers[param].step()
+            optimizers[param].zero_grad(set_to_none=True)
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(step_in_backward)
+    before = full(next(p.model.parameters())).clone()
+    for i, batch in enumerate(stack_batches(3)):
+        result = p.forward_backward(batch)
+        assert_close(result.loss, result.ref_loss, f"loss at step {i}")
+    assert not torch.equal(full(next(p.model.parameters())), before), "no hook stepped the sharded parameters"
+    assert all(param.grad is None for param in p.model.parameters())
+    p.assert_params_match()
+
+
 class Generator(Stack):
     def generate(self, x: torch.Tensor, steps: int = 3) -> torch.Tensor:
         """Calls forward repeatedly, like a language model's decode loop."""
