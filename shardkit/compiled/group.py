@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit.comm.collectives import backend_of
 from shardkit.dtensor import extension
-from shardkit.dtensor.sharded_param import ShardedParam
+from shardkit.dtensor.sharded_param import ShardedParam, backs
 from shardkit.policies import MixedPrecisionPolicy
 
 
@@ -341,11 +341,9 @@ def _to_param(group: CompiledGroup, i: int, leaf: torch.Tensor) -> None:
 
 
 def _shares_storage(leaf: torch.Tensor, local: torch.Tensor) -> bool:
-    """Whether ``leaf`` still holds ``local``'s data (not told for a tensor subclass: a float8
-    weight's storage is its inner tensors'; nor for an empty shard: it has no pointer)."""
-    if type(leaf) is not torch.Tensor or type(local) is not torch.Tensor or not leaf.numel():
-        return True
-    return leaf.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+    """Whether ``leaf`` still holds ``local``'s data (``backs``; not told for a tensor subclass:
+    a float8 weight's storage is its inner tensors')."""
+    return type(leaf) is not torch.Tensor or type(local) is not torch.Tensor or backs(leaf, local)
 
 
 def _take(leaf: torch.Tensor | None) -> torch.Tensor | None:

@@ -353,7 +353,7 @@ class ShardedParam:
         local = registered._local_tensor
         if local.device.type == "meta":
             padded = local.new_empty(self.padded_shape)
-        elif _backs(self.padded_shard, local):
+        elif backs(self.padded_shard, local):
             padded = self.padded_shard  # nothing moved
         elif type(local) is torch.Tensor and local.shape == self.padded_shape and local.is_contiguous():
             padded = local  # no padding to add: keep the new tensor (to_empty's pages stay untouched)
@@ -490,7 +490,7 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> list:
     return list(hooks.values()) if hooks else []
 
 
-def _backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
+def backs(padded: torch.Tensor, local: torch.Tensor) -> bool:
     """Whether ``padded`` still holds ``local``'s data (an empty local shard has no pointer)."""
     if padded.device != local.device or padded.dtype != local.dtype:
         return False
