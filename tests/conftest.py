@@ -76,6 +76,9 @@ SPAWNING_PATHS = (  # node id prefixes: tests that spawn in their body or their 
     "tests/planner/test_plan.py::test_cli_json_and_table",  # python -m shardkit plan
 )
 SLOW_PATHS = (
+    "tests/fake/test_grad_hooks.py::test_post_accumulate_grad_hooks_run_as_fsdp2_runs_them[compiled]",  # torch.compile: ~10 s in all
+    "tests/fake/test_grad_hooks.py::test_compiled_mode_",
+    "tests/fake/test_grad_hooks.py::test_a_weight_tied_across_two_calls_runs_its_hooks_once_per_backward[compiled]",
     "tests/planner/test_plan.py::test_llama_70b_at_world_64_plans_within_30_seconds",  # ~4 s
     "tests/fake/test_compiled_graphs.py::test_collectives",  # torch.compile: ~4 s a model
     "tests/fake/test_compiled_graphs.py::test_mixed_precision",
