@@ -15,8 +15,8 @@ shardkit are imported once for all their runs instead of once per run.
 
 import json
 import os
-import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -46,15 +46,14 @@ def _flat(state: dict) -> dict:
     return {k: v.flatten().tolist() for k, v in state.items()}
 
 
-def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> None:
+def run(rank: int, world: int, init_file: str, mode: str, ckpt: str, out: str) -> None:
     # Before any other thread: main() set the thread count before forking, so torch's thread
     # pool is rebuilt in this child at its next use. Torch 2.14/2.15 (CUDA builds, on the CPU)
     # start autograd device threads at the first backward after FSDP's lazy init, each of which
     # sets the thread count at its start; left to them, they race to rebuild the pool and one
     # may find none ("pool INTERNAL ASSERT FAILED ... Invalid thread pool!", an abort).
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(1 if mode == "resume" else 0)  # resume: different weights until loaded
     model = apply_fully_shard(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, dropout=DROPOUT)), shardkit.fully_shard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -111,12 +110,18 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> Non
 
 
 def main(mode: str, world: int, ckpt: str, out: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # A file store, fresh per run, not a TCP port: a free port picked here could be taken by
+    # another process before rank 0 binds it (tests run beside other tests).
+    fd, init_file = tempfile.mkstemp(prefix="resume-init-")
+    os.close(fd)
+    os.unlink(init_file)
     torch.set_num_threads(1)
-    # fork: the ranks start without importing torch again (CPU only, nothing initialized yet)
-    mp.start_processes(run, args=(world, port, mode, ckpt, out), nprocs=world, start_method="fork")
+    try:
+        # fork: the ranks start without importing torch again (CPU only, nothing initialized yet)
+        mp.start_processes(run, args=(world, init_file, mode, ckpt, out), nprocs=world, start_method="fork")
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
 
 
 def serve() -> None:
