@@ -187,7 +187,7 @@ def test_the_region_key_tells_apart_what_changes_the_code():
         settings = settings or Settings.of(group)
         shards, kept = gather_inputs(group, settings)
         with torch.set_grad_enabled(grad):
-            return region._key(block, settings, shards, kept, torch.zeros(shape, requires_grad=True))
+            return region._key(block, *region._flat(settings, shards, kept, (torch.zeros(shape, requires_grad=True),)))
 
     def wider(model):
         model.blocks[1].attn.n_head = 4
