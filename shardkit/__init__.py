@@ -5,7 +5,9 @@ Switch with one import line::
     from shardkit import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from shardkit import checkpoint
+import importlib
+from typing import Any
+
 from shardkit.api import ShardPlacementResult, fully_shard
 from shardkit.clip import clip_grad_norm_, grad_norm
 from shardkit.comm.check import CollectiveMismatch, check_collectives
@@ -42,3 +44,15 @@ __all__ = [
     "Plan",
     "apply_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``shardkit.checkpoint`` is imported at its first use: it imports
+    torch.distributed.checkpoint, about 0.9 s that ``import shardkit`` need not pay."""
+    if name == "checkpoint":
+        return importlib.import_module("shardkit.checkpoint")
+    raise AttributeError(f"module 'shardkit' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"checkpoint"})
