@@ -190,7 +190,8 @@ class CompiledGroup:
         """The graph's inputs (traced): each parameter's leaf, detached where the parameter
         does not require grad (dynamo guards on that flag: freezing a parameter, or unfreezing
         it, compiles one more graph, and its gradient follows it, as in eager mode)."""
-        return tuple(self.leaf(i) if param.requires_grad else self.leaf(i).detach() for i, param in enumerate(self.registered()))
+        leaves = self.leaves if not self.owners else [self.leaf(i) for i in range(len(self.params))]
+        return tuple(leaf if param.requires_grad else leaf.detach() for leaf, param in zip(leaves, self.registered()))
 
     def leaf(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s leaf: a weight tied to an earlier call's takes that call's, so that
