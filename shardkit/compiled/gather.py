@@ -213,6 +213,9 @@ class Settings(NamedTuple):
         return [s._replace(keep=s.keep and not b.as_bytes) for s, b in zip(own, group.buckets)]
 
 
+KEPT = ("unreduced", "partial", "presence", "reuse", "keep")  # gather_inputs's second, per bucket each, in this order
+
+
 def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """The group's shards as the modules hold them now (their leaves: ``CompiledGroup.inputs``), and what ``_GatherGraphBucket`` takes as
     ``unreduced`` (per bucket), as ``partial`` (per bucket: the kept sums or the leaves), as
@@ -230,7 +233,8 @@ def gather_inputs(group: CompiledGroup, settings: Settings) -> tuple[tuple[torch
 def reused(group: CompiledGroup, kept: tuple) -> list[bool]:
     """Per bucket, whether ``gather_inputs``'s ``kept`` hands it a ``reuse`` (no all-gather)."""
     n = len(group.buckets)
-    return [r is not None for r in kept[3 * n : 4 * n]]
+    i = KEPT.index("reuse")
+    return [r is not None for r in kept[i * n : (i + 1) * n]]
 
 
 def gather(group: CompiledGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -250,7 +254,7 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
     def run(*inputs: torch.Tensor | None) -> list[torch.Tensor]:
         b = len(buckets)
         shards = inputs[:n]
-        unreduced, partial, presence, reuse, keep = (inputs[n + k * b : n + (k + 1) * b] for k in range(5))  # per bucket each
+        unreduced, partial, presence, reuse, keep = (inputs[n + k * b : n + (k + 1) * b] for k in range(len(KEPT)))  # per bucket each
         unsharded: list[Any] = [None] * n
         marks = []  # per bucket
         for b, (bucket, s) in enumerate(zip(buckets, per_bucket)):

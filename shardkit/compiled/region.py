@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from shardkit.compiled import unused
-from shardkit.compiled.gather import Settings, gather_inputs, gathered, reused
+from shardkit.compiled.gather import KEPT, Settings, gather_inputs, gathered, reused
 from shardkit.compiled.group import CompiledGroup
 
 REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them as regions
@@ -70,7 +70,7 @@ def _flat(settings: Settings, shards: tuple, kept: tuple, args: tuple) -> tuple:
 
 def _unflat(group: CompiledGroup, flat: tuple) -> tuple[Settings, tuple, tuple, tuple]:
     """``_flat``'s inverse: (settings, shards, kept, args); the group says how many of each."""
-    s, n, k = len(Settings._fields), len(group.params), 5 * len(group.buckets)  # kept: 5 per bucket (gather_inputs)
+    s, n, k = len(Settings._fields), len(group.params), len(KEPT) * len(group.buckets)
     return Settings(*flat[:s]), flat[s : s + n], flat[s + n : s + n + k], flat[s + n + k :]
 
 
