@@ -232,8 +232,8 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
         args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
         if group.gathered is not None:  # re-entry: another module of the group
             output = forward(self, *args, **kwargs)
-        elif group.region and not kwargs and forward is type(self)._shardkit_plain_forward:
-            output = region.run(group, self, args)
+        elif group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs):
+            output = region.run(group, self, args, kwargs)
         else:
             unused.forward_begins(group)
             group.gathered, group.marks = gather(group)

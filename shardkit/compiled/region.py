@@ -11,9 +11,10 @@ and backward needs is saved, the partitioner cannot recompute it.
 
 Two blocks share a region when ``_region_id`` gives them the same key (``reuse_hash_fn``):
 their modules' classes, plain attributes, parameters and buffers (names, shapes, dtypes),
-training flags, the group's mesh, buckets and settings, and the inputs' shapes, strides and
-dtypes. Dynamo's own reuse test is not enough: it reused a block that differed only in
-``n_head``, a plain attribute, and computed a wrong loss.
+training flags, the group's mesh, buckets and settings, and the call's arguments, positional
+and keyword (``_described``). Dynamo's own reuse test is not enough: it reused a block that
+differed only in ``n_head``, a plain attribute, and computed a wrong loss. A call with an
+argument that is neither a tensor nor a constant (``callable_with``) runs inline.
 
 What a region costs: the all-gather of a block is issued inside its region, so the overlap
 pass (overlap.py) cannot issue it during the previous block's compute, nor wait for a
@@ -45,18 +46,18 @@ from shardkit.compiled.group import CompiledGroup
 REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them as regions
 
 
-def _block(module: nn.Module, *flat: Any) -> Any:
+def _block(module: nn.Module, *flat: Any, **kwargs: Any) -> Any:
     """The region: gather the group's parameters, run the module's own forward. ``flat``: the
-    call's arguments as ``_flat`` lays them out."""
+    call's arguments as ``_flat`` lays them out; ``kwargs``: the module's keyword arguments."""
     group: CompiledGroup = module.__dict__["_shardkit_state"]
     settings, shards, kept, args = _unflat(group, flat)
     unused.forward_begins(group)
     group.gathered, group.marks = gathered(group, settings, shards, kept, traced=False)
     try:
-        output = type(module)._shardkit_plain_forward(module, *args)
+        output = type(module)._shardkit_plain_forward(module, *args, **kwargs)
     finally:
         group.gathered, group.marks = None, []
-    unused.forward_ends(group, module, _key(module, *flat))
+    unused.forward_ends(group, module, _key(module, *flat, **kwargs))
     return output
 
 
@@ -74,12 +75,42 @@ def _unflat(group: CompiledGroup, flat: tuple) -> tuple[Settings, tuple, tuple, 
     return Settings(*flat[:s]), flat[s : s + n], flat[s + n : s + n + k], flat[s + n + k :]
 
 
-def _key(module: nn.Module, *flat: Any) -> int:
+def _key(module: nn.Module, *flat: Any, **kwargs: Any) -> int:
     group = module.__dict__["_shardkit_state"]
     settings, _, kept, args = _unflat(group, flat)
-    inputs = tuple((tuple(a.shape), tuple(a.stride()), str(a.dtype), a.requires_grad) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+    inputs = (tuple(_described(a) for a in args), tuple((name, _described(kwargs[name])) for name in sorted(kwargs)))
     held = tuple(k is not None for k in kept)  # the kept sums (or leaves) the region takes
     return _region_id(group, (tuple(settings), held, inputs, torch.is_grad_enabled()))
+
+
+def _described(x: Any) -> Any:
+    """What of a module's argument the region's code may depend on: a tensor's shape, strides,
+    dtype and requires_grad, a constant's value, a tuple's, list's or dict's items so described."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), tuple(x.stride()), str(x.dtype), x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_described(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _described(x[k])) for k in sorted(x)))
+    return repr(x)
+
+
+def callable_with(args: tuple, kwargs: dict) -> bool:
+    """Whether a region may take these arguments: tensors and constants (None, bools, numbers,
+    strings), alone or in tuples, lists and dicts with string keys. Any other object (a
+    key-value cache, say) may be written to by the module, which a region, traced once and
+    called again, would not do again: the module then runs inline."""
+    return all(_plain(a) for a in args) and all(_plain(v) for v in kwargs.values())
+
+
+def _plain(x: Any) -> bool:
+    if x is None or isinstance(x, (torch.Tensor, bool, int, float, str)):
+        return True
+    if isinstance(x, (tuple, list)):
+        return all(_plain(v) for v in x)
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in x.items())
+    return False
 
 
 _REGION_IDS: dict[tuple, int] = {}
@@ -206,7 +237,7 @@ def _schema_key(subgraph: Any, identifier: Any, operands: tuple) -> tuple | None
     return key
 
 
-def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
+def run(group: CompiledGroup, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The module's forward as a region call, with its collectives traced around it."""
     settings = Settings.of(group)
     shards, kept = gather_inputs(group, settings)
@@ -215,8 +246,8 @@ def run(group: CompiledGroup, module: nn.Module, args: tuple) -> Any:
     skip = reused(group, kept)  # buckets that all-gather nothing
     _trace_gathers(group, settings, shards[0], skip, done=False)
     flat = _flat(settings, shards, kept, args)
-    output = _region(module, *flat)
-    unused.region_ran(group, _key(module, *flat))
+    output = _region(module, *flat, **kwargs)
+    unused.region_ran(group, _key(module, *flat, **kwargs))
     _trace_gathers(group, settings, shards[0], skip, done=True)
     return output
 

@@ -257,3 +257,106 @@ def test_a_kept_schema_is_recomputed_when_the_subgraph_or_its_operands_change():
     gm.recompile()
     written = invoke_subgraph.gen_schema(gm, "s", x, y)
     assert [a.is_write for a in written.arguments if a.name.startswith("arg")] == [True, False], written
+
+
+class _KwBlock(torch.nn.Module):
+    """A block its model calls with keyword arguments: a constant, a tensor or None, a tuple of tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, *, scale=1.0, extra=None, pair=(), cache=None):
+        y = self.lin(self.norm(x)) * scale
+        if extra is not None:
+            y = y + extra
+        for t in pair:
+            y = y * t
+        if cache is not None:  # an object the block writes to: no region may take it
+            cache.seen.append(y.shape)
+        return x + y
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.seen: list = []
+
+
+class _KwModel(torch.nn.Module):
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(_KwBlock() for _ in range(blocks))
+
+    def forward(self, x, cache=None):
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h, scale=0.5, extra=x if i % 2 else None, pair=(x.sigmoid(), x.cos()), cache=cache)
+        return h.square().mean()
+
+
+def _kw_model(fully_shard, mesh):
+    torch.manual_seed(0)
+    model = _KwModel()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def test_blocks_called_with_keyword_arguments_run_as_regions_and_match_eager():
+    """A block called with keyword arguments (a constant, a tensor or None, a tuple of tensors)
+    runs as a region: one subgraph per distinct call (here two: ``extra`` a tensor or None),
+    each called by two of the four blocks, in one graph. World 1, so the numbers mean something:
+    the loss and every gradient equal eager shardkit's bit for bit (aot_eager). Called with an
+    object the block writes to (a cache), the blocks run inline instead: no subgraph, and the
+    cache sees every block's write."""
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    with fake_world(1) as mesh:
+        eager = _kw_model(shardkit.fully_shard, mesh)
+        eager_loss = eager(x)
+        eager_loss.backward()
+        torch._dynamo.reset()
+        counters.clear()
+        recording = Recording()
+        model = _kw_model(shardkit.compiled.fully_shard, mesh)
+        assert all(b._shardkit_state.region for b in model.blocks)
+        compiled = torch.compile(model, fullgraph=True, backend=recording)
+        loss = compiled(x)
+        loss.backward()
+        assert recording.dynamo_graphs == 1
+        subgraphs = calls(recording.graphs["forward"][0])
+        assert len(subgraphs) == 4 and len(set(subgraphs)) == 2 and subgraphs[0] == subgraphs[2] and subgraphs[1] == subgraphs[3], subgraphs
+        assert torch.equal(loss, eager_loss)
+        for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+            assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), name
+
+        torch._dynamo.reset()
+        recording, cache = Recording(), _Cache()
+        torch.compile(model, fullgraph=True, backend=recording)(x, cache).backward()
+        assert not calls(recording.graphs["forward"][0]) and len(cache.seen) == 4
+
+
+def test_the_region_key_tells_apart_keyword_arguments():
+    """(No compile.) A keyword argument's value, a tensor's shape, None against a tensor and
+    a tuple's length each give another region id; the same call gives the same id."""
+    from shardkit.compiled.gather import Settings, gather_inputs
+
+    with fake_world(WORLD) as mesh:
+        model = _kw_model(shardkit.compiled.fully_shard, mesh)
+        block = model.blocks[0]
+        group = block._shardkit_state
+        settings = Settings.of(group)
+        shards, kept = gather_inputs(group, settings)
+        x = torch.zeros(2, 8, 16)
+
+        def key(**kwargs):
+            return region._key(block, *region._flat(settings, shards, kept, (x,)), **kwargs)
+
+        base = key(scale=0.5, extra=x, pair=(x, x))
+        assert base == key(scale=0.5, extra=x, pair=(x, x))
+        others = [key(scale=1.0, extra=x, pair=(x, x)), key(scale=0.5, extra=None, pair=(x, x)), key(scale=0.5, extra=torch.zeros(2, 4, 16), pair=(x, x)),
+                  key(scale=0.5, extra=x, pair=(x,)), key(scale=0.5, extra=x, pair=[x, x]), key(scale=0.5, extra=x)]
+        assert len({base, *others}) == 1 + len(others)
+        assert region.callable_with((x,), {"scale": 0.5, "pair": (x, None), "opts": {"a": 1}})
+        assert not region.callable_with((x,), {"cache": _Cache()}) and not region.callable_with((_Cache(),), {})

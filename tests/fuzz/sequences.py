@@ -86,10 +86,10 @@ class Block(nn.Module):
         self.swap_data = spec.swap_data
         self.fail = False
 
-    def forward(self, x):
+    def forward(self, x, *, gain=1.0):
         if self.swap_data:  # new data, same Parameter: what HF's router's `.to(torch.float32)` does to bf16 weights
             self.lin.weight.data = self.lin.weight.data.clone()  # (a .to of the same dtype would copy nothing)
-        x = torch.tanh(self.lin(x))
+        x = torch.tanh(self.lin(x)) * gain  # (gain: a keyword argument, as models pass them; 1.0, exact)
         if self.inner is not None:
             x = x + torch.tanh(self.inner(x))
         if self.scale is not None:
@@ -115,7 +115,7 @@ class Net(nn.Module):
     def forward(self, x):
         x = self.emb(x) if self.tied else self.inp(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, gain=1.0)
         return self.head(x) if self.tied else self.out(x)
 
 
