@@ -290,9 +290,9 @@ class _KwModel(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(_KwBlock() for _ in range(blocks))
 
     def forward(self, x, cache=None):
-        h = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            h = block(h, scale=0.5, extra=x if i % 2 else None, pair=(x.sigmoid(), x.cos()), cache=cache)
+        h = first = self.inp(x)
+        for i, block in enumerate(self.blocks):  # (``first`` requires grad: its gradient comes back through the regions' backward)
+            h = block(h, scale=0.5, extra=first if i % 2 else None, pair=(x.sigmoid(), first.cos()), cache=cache)
         return h.square().mean()
 
 
@@ -305,8 +305,8 @@ def _kw_model(fully_shard, mesh):
 
 
 def test_blocks_called_with_keyword_arguments_run_as_regions_and_match_eager():
-    """A block called with keyword arguments (a constant, a tensor or None, a tuple of tensors)
-    runs as a region: one subgraph per distinct call (here two: ``extra`` a tensor or None),
+    """A block called with keyword arguments (a constant, a tensor or None, a tuple of tensors,
+    tensors that require grad among them) runs as a region: one subgraph per distinct call (here two: ``extra`` a tensor or None),
     each called by two of the four blocks, in one graph. World 1, so the numbers mean something:
     the loss and every gradient equal eager shardkit's bit for bit (aot_eager). Called with an
     object the block writes to (a cache), the blocks run inline instead: no subgraph, and the
