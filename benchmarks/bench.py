@@ -70,7 +70,7 @@ compiled mode / unsharded compiled (one sample per run; goal <= 0.6).
     --compile   part 4 alone (with --quick: the small model and few rounds)
     --regions N with --compile: compiled mode's blocks as nested compile regions from N blocks of
                 one structure (shardkit/compiled/region.py; 1: always). Regions turn inductor's
-                buffer reuse off for the whole process: every row of that run compiles without it
+                buffer reuse and in-place buffers off for the whole process: every row of that run compiles without it
     --muon      part 3 alone (the other flags go to muon_bench.py: --quick, --skip-hsdp, --json, ...)
     --skip-muon the parts before it only
     --scaling   how the cost grows with the world and the block count (benchmarks/scaling.py)

@@ -13,7 +13,7 @@ one-time costs; the wall time of the first forward + backward:
   compiled, regions     the same with region.REGIONS_FROM = 1: the blocks as ONE nested compile
                         region, traced and compiled once (shardkit/compiled/region.py)
 
-The rows with regions run last: regions turn inductor's buffer reuse off for the process
+The rows with regions run last: regions turn inductor's buffer reuse and in-place buffers off for the process
 (region._no_buffer_reuse), and the other rows must compile as users' models do.
 """
 

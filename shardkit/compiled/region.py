@@ -177,12 +177,16 @@ def choose(groups: list[CompiledGroup]) -> None:
 def _no_buffer_reuse() -> None:
     """Inductor (torch 2.13) reuses the buffer of a region's input for a new buffer while the
     region's output that aliases it (a saved input) is still to be read: wrong gradients, no
-    error, even for an unsharded GPT with its blocks as regions. Without buffer reuse the
+    error, even for an unsharded GPT with its blocks as regions. It also writes a kernel's
+    output in place into an input's buffer (``inplace_buffers``) where a region still reads
+    that input: wrong gradients again, for blocks that take a second tensor (the first layer's
+    output, say), found with inductor on world 1 against eager mode. Without either the
     generated code frees each buffer after its last use and allocates new ones (the same peak;
     more calls to the allocator). Global inductor config, as overlap.install's."""
     from torch._inductor import config
 
     config.allow_buffer_reuse = False
+    config.inplace_buffers = False
 
 
 def _schema_once_per_subgraph() -> None:

@@ -24,13 +24,13 @@ REGIONS_FROM = 4  # here, for short compiles (the default is 8): these 4 blocks 
 
 @pytest.fixture(autouse=True)
 def _restore():
-    """Regions turn inductor's buffer reuse off, globally (region._no_buffer_reuse)."""
+    """Regions turn inductor's buffer reuse and in-place buffers off, globally (region._no_buffer_reuse)."""
     from torch._inductor import config
 
-    reuse, regions_from = config.allow_buffer_reuse, region.REGIONS_FROM
+    reuse, inplace, regions_from = config.allow_buffer_reuse, config.inplace_buffers, region.REGIONS_FROM
     region.REGIONS_FROM = REGIONS_FROM
     yield
-    config.allow_buffer_reuse, region.REGIONS_FROM = reuse, regions_from
+    config.allow_buffer_reuse, config.inplace_buffers, region.REGIONS_FROM = reuse, inplace, regions_from
 
 
 def gpt(fully_shard, config=CONFIG, edit=lambda model: None, **kwargs) -> GPT:
@@ -335,6 +335,27 @@ def test_blocks_called_with_keyword_arguments_run_as_regions_and_match_eager():
         recording, cache = Recording(), _Cache()
         torch.compile(model, fullgraph=True, backend=recording)(x, cache).backward()
         assert not calls(recording.graphs["forward"][0]) and len(cache.seen) == 4
+
+
+def test_with_inductor_blocks_taking_a_second_tensor_get_eager_modes_gradients():
+    """Inductor, world 1, the four blocks as regions, each also taking the first layer's output
+    (which requires grad): every gradient within float rounding of eager shardkit's, two steps.
+    Inductor writing a kernel's output in place into an input's buffer that a region still
+    reads gave gradients 0.1 off here, with no error (region._no_buffer_reuse turns that off)."""
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    with fake_world(1) as mesh:
+        eager = _kw_model(shardkit.fully_shard, mesh)
+        eager(x).backward()
+        torch._dynamo.reset()
+        model = _kw_model(shardkit.compiled.fully_shard, mesh)
+        assert all(b._shardkit_state.region for b in model.blocks)
+        compiled = torch.compile(model, fullgraph=True)
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None
+            compiled(x).backward()
+        for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_region_key_tells_apart_keyword_arguments():

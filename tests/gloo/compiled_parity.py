@@ -46,8 +46,9 @@ def regions():
     from shardkit.compiled import region
 
     before, region.REGIONS_FROM = region.REGIONS_FROM, 1
-    reuse = torch._inductor.config.allow_buffer_reuse  # fully_shard turns it off for regions
+    config = torch._inductor.config
+    reuse, inplace = config.allow_buffer_reuse, config.inplace_buffers  # fully_shard turns them off for regions
     try:
         yield
     finally:
-        region.REGIONS_FROM, torch._inductor.config.allow_buffer_reuse = before, reuse
+        region.REGIONS_FROM, config.allow_buffer_reuse, config.inplace_buffers = before, reuse, inplace
