@@ -79,6 +79,7 @@ SLOW_PATHS = (
     "tests/fake/test_grad_hooks.py::test_post_accumulate_grad_hooks_run_as_fsdp2_runs_them[compiled]",  # torch.compile: ~10 s in all
     "tests/fake/test_grad_hooks.py::test_compiled_mode_",
     "tests/fake/test_grad_hooks.py::test_a_weight_tied_across_two_calls_runs_its_hooks_once_per_backward[compiled]",
+    "tests/fake/test_grad_hooks.py::test_a_weight_also_used_outside_its_groups_forward_runs_its_hooks_as_fsdp2[compiled]",
     "tests/planner/test_plan.py::test_llama_70b_at_world_64_plans_within_30_seconds",  # ~4 s
     "tests/fake/test_compiled_graphs.py::test_collectives",  # torch.compile: ~4 s a model
     "tests/fake/test_compiled_graphs.py::test_mixed_precision",

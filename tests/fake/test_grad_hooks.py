@@ -181,3 +181,28 @@ def test_a_weight_tied_across_two_calls_runs_its_hooks_once_per_backward(mode):
         for _ in range(2):
             run(torch.randint(0, 16, (4, 3))).sum().backward()
         assert dict(post) == {"emb.weight": 2}
+
+
+def calls_with_a_regularizer(mode: str) -> tuple[dict, torch.Tensor]:
+    """One step whose loss also reads the first block's sharded weight outside any forward (a
+    regularizer on its local shard): the hooks' calls per parameter and that weight's gradient."""
+    torch._dynamo.reset()
+    with fake_world(1) as mesh:  # (world 1: the gradient is the real one)
+        net, run = sharded(mode, mesh)
+        post, _ = hooked(net)
+        weight = net.blocks[0][0].weight
+        loss = run(torch.randn(4, 8, generator=torch.Generator().manual_seed(0))).sum() + (weight.to_local() ** 2).sum() * 1e-3
+        loss.backward()
+        return dict(post), weight.grad.full_tensor()
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_a_weight_also_used_outside_its_groups_forward_runs_its_hooks_as_fsdp2(mode):
+    """FSDP2 runs such a weight's hooks twice in that backward: once when autograd accumulates
+    the regularizer's gradient into the sharded parameter, once when the reduce-scatter adds
+    the forward's. Each mode runs them as FSDP2 does, with FSDP2's gradient."""
+    expected, grad = calls_with_a_regularizer("fsdp2")
+    assert expected["blocks.0.0.weight"] == 2 and expected["blocks.1.0.weight"] == 1  # (what FSDP2 does, spelled out)
+    calls, mode_grad = calls_with_a_regularizer(mode)
+    assert calls == expected
+    torch.testing.assert_close(mode_grad, grad, rtol=0, atol=0)
