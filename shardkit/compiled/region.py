@@ -78,39 +78,33 @@ def _unflat(group: CompiledGroup, flat: tuple) -> tuple[Settings, tuple, tuple, 
 def _key(module: nn.Module, *flat: Any, **kwargs: Any) -> int:
     group = module.__dict__["_shardkit_state"]
     settings, _, kept, args = _unflat(group, flat)
-    inputs = (tuple(_described(a) for a in args), tuple((name, _described(kwargs[name])) for name in sorted(kwargs)))
+    inputs = (_described(tuple(args)), _described(dict(kwargs)))
     held = tuple(k is not None for k in kept)  # the kept sums (or leaves) the region takes
     return _region_id(group, (tuple(settings), held, inputs, torch.is_grad_enabled()))
 
 
 def _described(x: Any) -> Any:
     """What of a module's argument the region's code may depend on: a tensor's shape, strides,
-    dtype and requires_grad, a constant's value, a tuple's, list's or dict's items so described."""
+    dtype and requires_grad, a constant's value (None, bools, numbers, strings), a tuple's,
+    list's or dict's (string keys) items so described; None where it holds anything else."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), tuple(x.stride()), str(x.dtype), x.requires_grad)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)
     if isinstance(x, (tuple, list)):
-        return (type(x).__name__, tuple(_described(v) for v in x))
-    if isinstance(x, dict):
-        return ("dict", tuple((k, _described(x[k])) for k in sorted(x)))
-    return repr(x)
+        items = tuple(_described(v) for v in x)
+        return None if any(d is None for d in items) else (type(x).__name__, items)
+    if isinstance(x, dict) and all(isinstance(k, str) for k in x):
+        items = tuple((k, _described(x[k])) for k in sorted(x))
+        return None if any(d is None for _, d in items) else ("dict", items)
+    return None
 
 
 def callable_with(args: tuple, kwargs: dict) -> bool:
-    """Whether a region may take these arguments: tensors and constants (None, bools, numbers,
-    strings), alone or in tuples, lists and dicts with string keys. Any other object (a
-    key-value cache, say) may be written to by the module, which a region, traced once and
-    called again, would not do again: the module then runs inline."""
-    return all(_plain(a) for a in args) and all(_plain(v) for v in kwargs.values())
-
-
-def _plain(x: Any) -> bool:
-    if x is None or isinstance(x, (torch.Tensor, bool, int, float, str)):
-        return True
-    if isinstance(x, (tuple, list)):
-        return all(_plain(v) for v in x)
-    if isinstance(x, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in x.items())
-    return False
+    """Whether a region may take these arguments: ``_described`` describes them all. Any other
+    object (a key-value cache, say) may be written to by the module, which a region, traced
+    once and called again, would not do again: the module then runs inline."""
+    return _described(tuple(args)) is not None and _described(dict(kwargs)) is not None
 
 
 _REGION_IDS: dict[tuple, int] = {}
