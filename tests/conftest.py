@@ -94,6 +94,7 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_regions.py::test_the_trace",
     "tests/fake/test_compiled_regions.py::test_peak_memory",
     "tests/fake/test_compiled_regions.py::test_with_inductor",  # inductor: ~8 s
+    "tests/fake/test_compiled_regions.py::test_aot_traces",  # torch.compile at two block counts: ~5 s
     "tests/fake/test_compiled_regions.py::test_blocks_called_with_keyword",  # torch.compile, twice
     "tests/fake/test_compiled_methods.py::test_not_resharding",  # torch.compile, twice
     "tests/fake/test_compiled_extensions.py::test_float8",  # torch.compile of a float8 model
