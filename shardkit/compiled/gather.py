@@ -199,7 +199,7 @@ class Settings(NamedTuple):
 
     @staticmethod
     def of(group: CompiledGroup) -> "Settings":
-        reshard = group.reshard_after_forward if group.reshard_after_forward is not None else group.parent is not None
+        reshard = group.reshard_after_forward if group.reshard_after_forward is not None else not group.is_root
         grad = torch.is_grad_enabled()
         post_forward = bool(reshard) and group.two_step and grad
         keep = not group.reshard_after_backward and grad

@@ -105,6 +105,7 @@ class CompiledGroup:
         that call's group. ``post_forward_mesh``: ``reshard_after_forward=R``'s
         (``meshes.post_forward_split``)."""
         self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy  # mesh: 1-D, or 2-D (replicate, shard)
+        self.dp_ranks = float(mesh.size())  # what the summed gradients are divided by, unless the user's factor
         self.owners = owners or {}
         self.owner_index = {i: owner.params.index(params[i]) for i, owner in self.owners.items()}  # (the parameter in its owner's)
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
@@ -120,6 +121,8 @@ class CompiledGroup:
         # backward that recomputes a forward which gathered in two steps
         self.two_step = self.post_forward is not None
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
+        self.is_root = True  # no parent; what the graph reads (a bool: reaching the parent group from the child's
+        # group gives dynamo a second path to it, and one more guard that both are the same object)
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
         self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
@@ -158,7 +161,7 @@ class CompiledGroup:
     @property
     def divide_by(self) -> float:
         """What the summed gradients are divided by: the data-parallel ranks, or the user's factor."""
-        return self.divide_factor if self.divide_factor is not None else float(self.mesh.size())
+        return self.divide_factor if self.divide_factor is not None else self.dp_ranks
 
     def unreduced_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for backwards without sync: autograd sums their unsharded gradients
@@ -189,9 +192,13 @@ class CompiledGroup:
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The graph's inputs (traced): each parameter's leaf, detached where the parameter
         does not require grad (dynamo guards on that flag: freezing a parameter, or unfreezing
-        it, compiles one more graph, and its gradient follows it, as in eager mode)."""
+        it, compiles one more graph, and its gradient follows it, as in eager mode). The flag is
+        read from ``sharded_param``, which ``follow_registered`` keeps what the modules hold:
+        reading it through the modules (``registered``) gave dynamo a second path to each module
+        and to the parameters' properties, each one more guard that two paths reach one object
+        (97 such guards for the 2-block test GPT, 64 now; torch builds them at 2 ms apiece)."""
         leaves = self.leaves if not self.owners else [self.leaf(i) for i in range(len(self.params))]
-        return tuple(leaf if param.requires_grad else leaf.detach() for leaf, param in zip(leaves, self.registered()))
+        return tuple(leaf if p.sharded_param.requires_grad else leaf.detach() for leaf, p in zip(leaves, self.params))
 
     def leaf(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s leaf: a weight tied to an earlier call's takes that call's, so that
@@ -258,7 +265,7 @@ class CompiledGroup:
 
     def nest_in(self, parent: "CompiledGroup") -> None:
         """A later ``fully_shard`` call on a module around ours: it is our parent."""
-        self.parent = parent
+        self.parent, self.is_root = parent, False
 
     def check_movable(self) -> None:
         """Raises if backwards without sync (or without the all-reduce) kept gradients: a new

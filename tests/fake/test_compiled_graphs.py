@@ -333,3 +333,29 @@ def test_a_second_model_compiles_in_the_same_process():
             model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True, backend="aot_eager")
             model(*batch())[1].backward()
             assert all(p.grad is not None for p in model.parameters())
+
+
+def test_dynamo_reaches_each_module_and_group_by_one_path(monkeypatch):
+    """Dynamo guards that two paths to one object still reach one object (``DUPLICATE_INPUT``;
+    torch 2.13 builds them as one Python function, about 2 ms a guard at compile). The traced
+    runtime must not reach a module through its group (``group.params[i].slots[0].module``,
+    besides ``self._modules``), nor a group through another (``.parent``): with those, the
+    2-block GPT had 97 such guards. What is left is one per parameter for its property's
+    group, one per parameter for its DTensor's mesh, and a few for modules imported twice."""
+    from torch._dynamo.guards import GuardBuilder
+
+    pairs = set()
+    original = GuardBuilder.DUPLICATE_INPUT
+
+    def recording(self, guard, source_b):
+        pairs.add((guard.name, source_b.name))
+        return original(self, guard, source_b)
+
+    monkeypatch.setattr(GuardBuilder, "DUPLICATE_INPUT", recording)
+    with fake_world(WORLD) as mesh:
+        torch._dynamo.reset()
+        sharded = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        torch.compile(sharded, fullgraph=True, backend="eager")(*batch())
+    through = [pair for pair in pairs if any(".slots[" in name or ".parent" in name for name in pair)]
+    assert through == [], through[:3]
+    assert len(pairs) <= 2 * len(list(sharded.parameters())) + 8, len(pairs)
