@@ -359,3 +359,47 @@ def test_dynamo_reaches_each_module_and_group_by_one_path(monkeypatch):
     through = [pair for pair in pairs if any(".slots[" in name or ".parent" in name for name in pair)]
     assert through == [], through[:3]
     assert len(pairs) <= 2 * len(list(sharded.parameters())) + 8, len(pairs)
+
+
+def test_blocks_that_break_the_graph_train_as_eager_mode_under_compiles_default():
+    """``torch.compile``'s default, ``fullgraph=False``, with blocks that break the graph between
+    two layers (an ``.item()`` branch) and an unused layer: several graphs per step, eager
+    shardkit's parameters exactly and its None gradient for the unused layer (world 1, aot_eager;
+    on 2 gloo ranks: tests/gloo/test_compiled_mode_graph_breaks.py). It crashed in the resumed
+    frame ("unhashable type: non-nested SymInt") before unused._read took int(i)."""
+    from torch._dynamo.utils import counters
+
+    class Breaking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.spare = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = torch.tanh(self.a(x))
+            if x.abs().sum().item() > 1e9:  # never true: a graph break
+                x = x * 2
+            return torch.tanh(self.b(x)) + x
+
+    def train(fully_shard, compile_model: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(Breaking(), Breaking(), nn.Linear(8, 1))
+        for block in model[:2]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        run = torch.compile(model, backend="aot_eager") if compile_model else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            run(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            grads = {n: p.grad is None for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+        return {n: p.full_tensor() for n, p in model.named_parameters()}, grads
+
+    with fake_world(1) as mesh:
+        torch._dynamo.reset()
+        counters.clear()
+        eager, eager_none = train(shardkit.fully_shard, False)
+        compiled, compiled_none = train(shardkit.compiled.fully_shard, True)
+    assert counters["graph_break"]
+    assert compiled_none == eager_none and eager_none["0.spare.weight"]
+    assert all(torch.equal(compiled[n], eager[n]) for n in eager)
