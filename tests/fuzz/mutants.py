@@ -167,8 +167,10 @@ def run_mutant(name: str, full: bool) -> tuple[str, str, float]:
             label, cmd, extra = (*tier, {})[:3]
             env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-            if proc.returncode != 0:
-                return label, first_failure(proc.stdout + proc.stderr), time.monotonic() - start
+            if proc.returncode != 0:  # the whole output kept: a crash's cause is rarely in its first line
+                log = Path(tempfile.gettempdir()) / f"mutant-{name}.log"
+                log.write_text(proc.stdout + proc.stderr)
+                return label, f"{first_failure(proc.stdout + proc.stderr)} ({log})", time.monotonic() - start
         return "survived", "", time.monotonic() - start
 
 
