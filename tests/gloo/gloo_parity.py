@@ -61,6 +61,15 @@ class Stack(nn.Module):
         return self.out(x)  # (B, 3)
 
 
+class Chain(Stack):
+    """Stack's input and output layers around ``blocks`` of 13 features in and out."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.out = nn.Linear(13, 3)
+
+
 def stack_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)
