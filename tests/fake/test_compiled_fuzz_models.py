@@ -7,10 +7,9 @@ parameters and the same None gradients."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.conftest import fake_world
-from tests.fuzz.sequences import Net, Optimizers, Spec, batch, shard
+from tests.fuzz.sequences import Net, Optimizers, Spec, batch, loss_of, shard
 
 # (spec, tolerance): bf16 with a weight tied across calls sums the two calls' gradients in
 # another order than eager mode (close, not the same bits); the rest are eager mode's bits.
@@ -26,9 +25,7 @@ def _train(spec: Spec, compiled: bool, mesh) -> tuple[dict, list]:
     optimizers = Optimizers(dict(model.named_parameters()), spec, reference=False)
     for step in range(3):
         x, y = batch(step, spec)
-        out = run(x).float()
-        loss = F.cross_entropy(out.flatten(0, 1), y.flatten()) if model.tied else F.mse_loss(out.squeeze(-1), y.float())
-        loss.backward()
+        loss_of(run, x, y).backward()  # (run.tied: the compiled module reads the model's attributes)
         nones = sorted(n for n, p in model.named_parameters() if p.grad is None)
         optimizers.step()
         optimizers.zero_grad()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gloo_harness import Checks, run_worker
+from gloo_parity import full, local, mean_over_ranks
 
 checks = Checks()
 VOCAB, STEPS = 64, 3
@@ -50,19 +51,13 @@ def _without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _full(t):
-    return None if t is None else t.full_tensor()
-
-
 @checks("shardkit", sim=False)
 def transformers_architectures_train_with_fsdp2s_numbers(mesh, impl):
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import shardkit
     import shardkit.compiled
 
-    rank = mesh.get_local_rank()
     for name, (build, layers) in models().items():
         torch.manual_seed(0)
         ref = _without_dropout(build())
@@ -80,12 +75,11 @@ def transformers_architectures_train_with_fsdp2s_numbers(mesh, impl):
             whole = ref(input_ids=ids, labels=ids).loss
             whole.backward()
             for side, (model, optimizer) in sides.items():
-                loss = model(input_ids=ids[2 * rank : 2 * rank + 2], labels=ids[2 * rank : 2 * rank + 2]).loss
+                (mine,) = local((ids,), mesh)
+                loss = model(input_ids=mine, labels=mine).loss
                 loss.backward()
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)
-                torch.testing.assert_close(mean / 2, whole, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, {side}, step {step}: loss {m}")
-            grads = {side: {n: _full(p.grad) for n, p in model.named_parameters()} for side, (model, _) in sides.items()}
+                torch.testing.assert_close(mean_over_ranks(loss, mesh), whole, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, {side}, step {step}: loss {m}")
+            grads = {side: {n: full(p.grad) for n, p in model.named_parameters()} for side, (model, _) in sides.items()}
             assert {n for n, g in grads["fsdp2"].items() if g is None} == {n for n, g in grads["shardkit"].items() if g is None} \
                 == {n for n, g in grads["compiled"].items() if g is None}, (name, step)  # BERT's pooler: None in all three
             for n, g in grads["fsdp2"].items():
