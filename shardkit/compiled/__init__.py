@@ -18,7 +18,8 @@ Dynamo traces all of it: ``torch.compile(model, fullgraph=True)`` gives one forw
 backward graph, and inductor's scheduler gets a last pass (overlap.py) that issues each
 group's all-gather during the previous group's compute and waits for each reduce-scatter
 late, as eager mode's schedule. Many blocks of one structure (``region.REGIONS_FROM``) run as
-one nested compile region instead, traced and compiled once (region.py).
+one nested compile region instead, traced and compiled once (region.py), under
+``fullgraph=True`` (a region cannot break the graph).
 
 ``reshard_after_forward=True`` (every group but the root, by default) wraps the gather in a
 selective activation checkpoint that recomputes it: the compiled backward all-gathers the
@@ -67,13 +68,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch._dynamo
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit import api, meshes
 from shardkit.compiled import overlap, region, unused
 from shardkit.compiled.gather import gather
-from shardkit.compiled.group import CompiledGroup
+from shardkit.compiled.group import CompiledGroup, groups_alive
 from shardkit.compiled.module import CompiledFSDPModule, following_register_parameter
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 from shardkit.module import accept_full_tensors
@@ -130,7 +132,26 @@ def fully_shard(
     _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
     group.make_leaves()
     region.choose(_name_under(modules[0], group))
+    _room_for_graphs()
     return module
+
+
+# torch's default (8 in 2.13 to 2.15), then the last value _room_for_graphs set
+_RECOMPILE_LIMIT = [getattr(getattr(torch._dynamo.config, "_config", {}).get("recompile_limit"), "default", 8)]
+_DEFAULT_LIMIT = _RECOMPILE_LIMIT[0]
+
+
+def _room_for_graphs() -> None:
+    """Raise dynamo's ``recompile_limit`` (graphs per code object) to its default (8) more
+    than the groups alive in compiled mode. A graph guards on the identity of the groups it
+    reads, so where dynamo compiles a block's forward as a frame of its own (a graph break
+    inside it under ``torch.compile``'s default), each block adds one graph to that forward's
+    code object: past the eighth block, dynamo ran the rest eagerly (FSDP2 and eager mode,
+    whose hooks dynamo does not trace, share one graph). A limit the user set (any other value
+    than the default or the last one set here) is left as it is."""
+    config = torch._dynamo.config
+    if config.recompile_limit == _RECOMPILE_LIMIT[0]:
+        config.recompile_limit = _RECOMPILE_LIMIT[0] = max(config.recompile_limit, _DEFAULT_LIMIT + groups_alive())
 
 
 def _name_under(root: nn.Module, group: CompiledGroup) -> list[CompiledGroup]:
@@ -232,7 +253,7 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
         args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
         if group.gathered is not None:  # re-entry: another module of the group
             output = forward(self, *args, **kwargs)
-        elif group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs):
+        elif group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs) and region.allowed_here():
             output = region.run(group, self, args, kwargs)
         else:
             unused.forward_begins(group)
@@ -244,4 +265,11 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
             unused.forward_ends(group, self)
         return cast_output(group.mp_policy, output)
 
+    # Its own code object: dynamo keeps a function's compiled graphs on its code object and
+    # stops compiling it at ``recompile_limit`` (8) graphs. A graph guards on the identity of
+    # the group it gathers, so each model compiled in the process added one graph to the one
+    # shared code object, and the ninth failed (fullgraph=True) or ran its root eagerly. With a
+    # code object per group, each model's root frame keeps its own graphs, as the unsharded
+    # model's forward keeps one for all its instances.
+    gathering_forward.__code__ = gathering_forward.__code__.replace()
     return gathering_forward

@@ -23,6 +23,10 @@ from shardkit.policies import MixedPrecisionPolicy
 _BY_UID: "weakref.WeakValueDictionary[str, CompiledGroup]" = weakref.WeakValueDictionary()
 
 
+def groups_alive() -> int:
+    return len(_BY_UID)
+
+
 def by_uid(uid: str) -> "CompiledGroup":
     """The group whose ``uid`` this is: what a call that dynamo puts in the graph as one op
     (``allow_in_graph``: ``gather._bucket_gathered``, ``unused._read``) takes instead of the

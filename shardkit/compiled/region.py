@@ -235,6 +235,21 @@ def _schema_key(subgraph: Any, identifier: Any, operands: tuple) -> tuple | None
     return key
 
 
+@torch.compiler.assume_constant_result
+def allowed_here() -> bool:
+    """Whether the frame dynamo traces may hold regions: only one that cannot break the graph
+    (``fullgraph=True``, or ``torch._dynamo.error_on_graph_break``). A graph break inside a
+    region is an error (``UncapturedHigherOrderOpError``), not a break, so under
+    ``torch.compile``'s default a block that breaks the graph (an ``.item()`` branch) failed the
+    compile; there the blocks run inline and break as they would unsharded. True outside a
+    trace (compiled mode run without torch.compile). Runs while dynamo traces (``tls.current_tx``:
+    dynamo's own record of the frame it traces)."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    return tx is None or bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
 def run(group: CompiledGroup, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The module's forward as a region call, with its collectives traced around it."""
     settings = Settings.of(group)

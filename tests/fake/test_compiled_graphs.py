@@ -335,6 +335,67 @@ def test_a_second_model_compiles_in_the_same_process():
             assert all(p.grad is not None for p in model.parameters())
 
 
+def test_more_models_and_breaking_blocks_than_dynamos_recompile_limit(monkeypatch):
+    """Dynamo keeps at most ``recompile_limit`` graphs per code object (8 by default; 2 here,
+    for a cheaper test: shardkit takes it for torch's default), and compiled mode's graphs guard
+    on the identity of their groups: (1) more models of one code compiled in one process with
+    ``fullgraph=True`` than the limit (the ninth failed, FailOnRecompileLimitHit: the roots
+    shared one forward's code object); (2) more blocks that break the graph under
+    ``torch.compile``'s default, a graph each for the block's forward (past the eighth, dynamo
+    ran them eagerly), and as many as make regions (a region cannot break the graph: it failed
+    with UncapturedHigherOrderOpError; region.allowed_here). Both now compile every graph, and
+    (2) trains as eager mode."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import shardkit.compiled.region
+
+    monkeypatch.setattr(shardkit.compiled, "_DEFAULT_LIMIT", 2)
+    monkeypatch.setattr(shardkit.compiled, "_RECOMPILE_LIMIT", [2])
+    monkeypatch.setattr(shardkit.compiled.region, "REGIONS_FROM", 3)
+
+    class Breaking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = torch.tanh(self.a(x))
+            if x.abs().sum().item() > 1e9:  # never true: a graph break
+                x = x * 2
+            return torch.tanh(self.b(x)) + x
+
+    def train(fully_shard, compile_model: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(Breaking(), Breaking(), Breaking(), nn.Linear(4, 1))
+        for block in model[:3]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        run = torch.compile(model, backend="aot_eager") if compile_model else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            run(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    with fake_world(1) as mesh, torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        torch._dynamo.reset()
+        for _ in range(3):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+            shardkit.compiled.fully_shard(model, mesh=mesh)
+            torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+            assert all(p.grad is not None for p in model.parameters())
+            # its root's forward holds its graph alone: no other model's guards to check first
+            assert len(_debug_get_cache_entry_list(type(model).forward.__code__)) == 1
+        eager = train(shardkit.fully_shard, False)
+        compiled = train(shardkit.compiled.fully_shard, True)
+        assert torch._dynamo.config.recompile_limit >= 2 + 4  # room for this model's groups
+        torch._dynamo.config.recompile_limit = 5  # a limit the user set stays
+        shardkit.compiled.fully_shard(nn.Linear(4, 4), mesh=mesh)
+        assert torch._dynamo.config.recompile_limit == 5
+    assert all(torch.equal(compiled[n], eager[n]) for n in eager)
+
+
 def test_dynamo_reaches_each_module_and_group_by_one_path(monkeypatch):
     """Dynamo guards that two paths to one object still reach one object (``DUPLICATE_INPUT``;
     torch 2.13 builds them as one Python function, about 2 ms a guard at compile). The traced
