@@ -335,6 +335,42 @@ def test_a_second_model_compiles_in_the_same_process():
             assert all(p.grad is not None for p in model.parameters())
 
 
+class Breaking(nn.Module):
+    """Two layers with a branch on a value read with ``.item()`` between them (never taken):
+    dynamo breaks the graph there. ``spare``: a layer the forward never uses."""
+
+    def __init__(self, dim: int, spare: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        if spare:
+            self.spare = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x))
+        if x.abs().sum().item() > 1e9:  # never true: a graph break
+            x = x * 2
+        return torch.tanh(self.b(x)) + x
+
+
+def train_breaking(fully_shard, mesh, blocks: int, dim: int, compile_model: bool, spare: bool = False) -> tuple[dict, dict]:
+    """``blocks`` Breaking blocks and a head, each block then the root sharded, two AdamW steps
+    (``torch.compile`` with its default, aot_eager, for ``compile_model``): the full parameters,
+    and whether each ``.grad`` was None after the last backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Breaking(dim, spare) for _ in range(blocks)), nn.Linear(dim, 1))
+    for block in model[:blocks]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    run = torch.compile(model, backend="aot_eager") if compile_model else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        run(torch.randn(4, dim, generator=torch.Generator().manual_seed(step))).sum().backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}, none
+
+
 def test_more_models_and_breaking_blocks_than_dynamos_recompile_limit(monkeypatch):
     """Dynamo keeps at most ``recompile_limit`` graphs per code object (8 by default; 2 here,
     for a cheaper test: shardkit takes it for torch's default), and compiled mode's graphs guard
@@ -353,31 +389,6 @@ def test_more_models_and_breaking_blocks_than_dynamos_recompile_limit(monkeypatc
     monkeypatch.setattr(shardkit.compiled, "_RECOMPILE_LIMIT", [2])
     monkeypatch.setattr(shardkit.compiled.region, "REGIONS_FROM", 3)
 
-    class Breaking(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-        def forward(self, x):
-            x = torch.tanh(self.a(x))
-            if x.abs().sum().item() > 1e9:  # never true: a graph break
-                x = x * 2
-            return torch.tanh(self.b(x)) + x
-
-    def train(fully_shard, compile_model: bool):
-        torch.manual_seed(0)
-        model = nn.Sequential(Breaking(), Breaking(), Breaking(), nn.Linear(4, 1))
-        for block in model[:3]:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        run = torch.compile(model, backend="aot_eager") if compile_model else model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(2):
-            run(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return {n: p.full_tensor() for n, p in model.named_parameters()}
-
     with fake_world(1) as mesh, torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
         torch._dynamo.reset()
         for _ in range(3):
@@ -387,8 +398,8 @@ def test_more_models_and_breaking_blocks_than_dynamos_recompile_limit(monkeypatc
             assert all(p.grad is not None for p in model.parameters())
             # its root's forward holds its graph alone: no other model's guards to check first
             assert len(_debug_get_cache_entry_list(type(model).forward.__code__)) == 1
-        eager = train(shardkit.fully_shard, False)
-        compiled = train(shardkit.compiled.fully_shard, True)
+        eager, _ = train_breaking(shardkit.fully_shard, mesh, 3, 4, False)
+        compiled, _ = train_breaking(shardkit.compiled.fully_shard, mesh, 3, 4, True)
         assert torch._dynamo.config.recompile_limit >= 2 + 4  # room for this model's groups
         torch._dynamo.config.recompile_limit = 5  # a limit the user set stays
         shardkit.compiled.fully_shard(nn.Linear(4, 4), mesh=mesh)
@@ -430,37 +441,11 @@ def test_blocks_that_break_the_graph_train_as_eager_mode_under_compiles_default(
     frame ("unhashable type: non-nested SymInt") before unused._read took int(i)."""
     from torch._dynamo.utils import counters
 
-    class Breaking(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b, self.spare = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-        def forward(self, x):
-            x = torch.tanh(self.a(x))
-            if x.abs().sum().item() > 1e9:  # never true: a graph break
-                x = x * 2
-            return torch.tanh(self.b(x)) + x
-
-    def train(fully_shard, compile_model: bool):
-        torch.manual_seed(0)
-        model = nn.Sequential(Breaking(), Breaking(), nn.Linear(8, 1))
-        for block in model[:2]:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        run = torch.compile(model, backend="aot_eager") if compile_model else model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(2):
-            run(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
-            grads = {n: p.grad is None for n, p in model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
-        return {n: p.full_tensor() for n, p in model.named_parameters()}, grads
-
     with fake_world(1) as mesh:
         torch._dynamo.reset()
         counters.clear()
-        eager, eager_none = train(shardkit.fully_shard, False)
-        compiled, compiled_none = train(shardkit.compiled.fully_shard, True)
+        eager, eager_none = train_breaking(shardkit.fully_shard, mesh, 2, 8, False, spare=True)
+        compiled, compiled_none = train_breaking(shardkit.compiled.fully_shard, mesh, 2, 8, True, spare=True)
     assert counters["graph_break"]
     assert compiled_none == eager_none and eager_none["0.spare.weight"]
     assert all(torch.equal(compiled[n], eager[n]) for n in eager)
