@@ -13,8 +13,11 @@ from tests.fuzz.sequences import Net, Optimizers, Spec, batch, loss_of, shard
 
 # (spec, tolerance): bf16 with a weight tied across calls sums the two calls' gradients in
 # another order than eager mode (close, not the same bits); the rest are eager mode's bits.
+# The third: blocks chosen as regions that break the graph (.data replaced) run inline under
+# fullgraph=False (region.allowed_here; UncapturedHigherOrderOpError before).
 SPECS = [(Spec(nested=True, mixed=True, tied="across", mp=True, unused=True, swap_data=True), 1e-4),
-         (Spec(reshard=False, foreach=True, extension=True), 0.0)]
+         (Spec(reshard=False, foreach=True, extension=True), 0.0),
+         (Spec(regions=True, swap_data=True, unused=True), 0.0)]
 
 
 def _train(spec: Spec, compiled: bool, mesh) -> tuple[dict, list]:
@@ -32,7 +35,7 @@ def _train(spec: Spec, compiled: bool, mesh) -> tuple[dict, list]:
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}, nones
 
 
-@pytest.mark.parametrize("spec,tolerance", SPECS, ids=["nested-mixed-tied-across-bf16-unused-swap-data", "no-reshard-foreach-extension"])
+@pytest.mark.parametrize("spec,tolerance", SPECS, ids=["nested-mixed-tied-across-bf16-unused-swap-data", "no-reshard-foreach-extension", "regions-swap-data-unused"])
 def test_compiled_mode_compiled_trains_the_fuzzers_models_as_eager_shardkit(spec, tolerance):
     with fake_world(1) as mesh:
         torch._dynamo.reset()
