@@ -136,9 +136,8 @@ def fully_shard(
     return module
 
 
-# torch's default (8 in 2.13 to 2.15), then the last value _room_for_graphs set
-_RECOMPILE_LIMIT = [getattr(getattr(torch._dynamo.config, "_config", {}).get("recompile_limit"), "default", 8)]
-_DEFAULT_LIMIT = _RECOMPILE_LIMIT[0]
+_DEFAULT_LIMIT = getattr(getattr(torch._dynamo.config, "_config", {}).get("recompile_limit"), "default", 8)  # torch's (8 in 2.13 to 2.15)
+_limit_set = _DEFAULT_LIMIT  # the last recompile_limit _room_for_graphs set
 
 
 def _room_for_graphs() -> None:
@@ -149,9 +148,10 @@ def _room_for_graphs() -> None:
     code object: past the eighth block, dynamo ran the rest eagerly (FSDP2 and eager mode,
     whose hooks dynamo does not trace, share one graph). A limit the user set (any other value
     than the default or the last one set here) is left as it is."""
+    global _limit_set
     config = torch._dynamo.config
-    if config.recompile_limit == _RECOMPILE_LIMIT[0]:
-        config.recompile_limit = _RECOMPILE_LIMIT[0] = max(config.recompile_limit, _DEFAULT_LIMIT + groups_alive())
+    if config.recompile_limit == _limit_set:
+        config.recompile_limit = _limit_set = max(config.recompile_limit, _DEFAULT_LIMIT + groups_alive())
 
 
 def _name_under(root: nn.Module, group: CompiledGroup) -> list[CompiledGroup]:

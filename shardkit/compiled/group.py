@@ -24,6 +24,7 @@ _BY_UID: "weakref.WeakValueDictionary[str, CompiledGroup]" = weakref.WeakValueDi
 
 
 def groups_alive() -> int:
+    """How many compiled-mode groups exist in the process."""
     return len(_BY_UID)
 
 

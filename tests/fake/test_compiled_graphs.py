@@ -386,7 +386,7 @@ def test_more_models_and_breaking_blocks_than_dynamos_recompile_limit(monkeypatc
     import shardkit.compiled.region
 
     monkeypatch.setattr(shardkit.compiled, "_DEFAULT_LIMIT", 2)
-    monkeypatch.setattr(shardkit.compiled, "_RECOMPILE_LIMIT", [2])
+    monkeypatch.setattr(shardkit.compiled, "_limit_set", 2)
     monkeypatch.setattr(shardkit.compiled.region, "REGIONS_FROM", 3)
 
     with fake_world(1) as mesh, torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
