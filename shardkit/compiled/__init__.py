@@ -133,6 +133,7 @@ def fully_shard(
     group.make_leaves()
     region.choose(_name_under(modules[0], group))
     _room_for_graphs()
+    _side_effects_under_checkpoint()
     return module
 
 
@@ -152,6 +153,18 @@ def _room_for_graphs() -> None:
     config = torch._dynamo.config
     if config.recompile_limit == _limit_set:
         config.recompile_limit = _limit_set = max(config.recompile_limit, _DEFAULT_LIMIT + groups_alive())
+
+
+def _side_effects_under_checkpoint() -> None:
+    """Let dynamo trace a group's forward inside the user's ``torch.utils.checkpoint`` (around a
+    block in the parent's forward, as transformers' ``gradient_checkpointing_enable`` does): the
+    forward sets and then clears which tensors its parameters read (``group.gathered``), Python
+    state outside the checkpoint, which dynamo refuses to change there ("HOP: Unsafe side
+    effect") unless ``skip_fwd_side_effects_in_bwd_under_checkpoint``: skip replaying such
+    changes when backward recomputes the forward. Compiled mode's leave the state as they found
+    it, so there is nothing to replay; a user's own changes inside a checkpointed forward are then
+    not replayed in backward either (eager checkpointing replays them)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def _name_under(root: nn.Module, group: CompiledGroup) -> list[CompiledGroup]:

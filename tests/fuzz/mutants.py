@@ -109,6 +109,8 @@ MUTANTS = {
                                     "dynamo's recompile limit stays 8: past the eighth block that breaks the graph, blocks run eagerly"),
     "compiled-regions-may-break": ("shardkit/compiled/__init__.py", " and region.allowed_here():", ":",
                                    "blocks run as regions under fullgraph=False: a block that breaks the graph fails the compile"),
+    "compiled-no-side-effects-under-checkpoint": ("shardkit/compiled/__init__.py", "    _side_effects_under_checkpoint()\n", "",
+                                                  "a block under the user's torch.utils.checkpoint fails fullgraph=True: the gather's state is a side effect"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
     "muon-owner-sends-its-own-rows": ("shardkit/optim/owners.py", "parts.extend(take(result, bucket.pieces[j][r]).reshape(-1) for j, result in results)",
