@@ -23,7 +23,8 @@ one nested compile region instead, traced and compiled once (region.py), under
 
 ``reshard_after_forward=True`` (every group but the root, by default) wraps the gather in a
 selective activation checkpoint that recomputes it: the compiled backward all-gathers the
-group again instead of keeping its unsharded parameters from forward (the eager schedule).
+group again instead of keeping its unsharded parameters from forward (the eager schedule);
+otherwise in one that saves it all (inside the user's checkpoint, backward gathers nothing).
 
 A compiled-mode module is an ``FSDPModule`` whose methods are its own (module.py): settings
 the traced forward reads (one more graph per new setting), no-ops where one graph already

@@ -186,6 +186,18 @@ class _Recompute:
         return CheckpointPolicy.MUST_RECOMPUTE
 
 
+def _keep_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective checkpoint's policy of a group that does not reshard after forward: save
+    every op of the gather. Alone it changes nothing (AOTAutograd's partitioner saves the
+    gathered parameters either way); inside the user's checkpoint around the block, whose policy
+    recomputes everything, it keeps backward from all-gathering the group again."""
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _keep_all_contexts() -> tuple:
+    return create_selective_checkpoint_contexts(_keep_all)
+
+
 class Settings(NamedTuple):
     """What a group's gather reads of its settings (module.py), read once per forward (a tuple:
     a region call takes it as an argument, region.py)."""
@@ -269,8 +281,12 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
                     unsharded[c.index] = _Attach.apply(unsharded[c.index], mark, built)
         return unsharded + marks
 
-    if settings.reshard and torch.is_grad_enabled():
-        context = functools.partial(_Recompute.contexts, group.post_forward.across.pg_name if settings.post_forward else None)
+    if torch.is_grad_enabled():
+        # resharding: a selective checkpoint that recomputes the gather in backward; not: one that
+        # keeps all of it, so that the user's own checkpoint around the block does not recompute
+        # it either (eager mode's backward uses the parameters it kept: no all-gather)
+        kept_pg = group.post_forward.across.pg_name if settings.post_forward else None
+        context = functools.partial(_Recompute.contexts, kept_pg) if settings.reshard else _keep_all_contexts
         out = checkpoint(run, *shards, *kept, use_reentrant=False, context_fn=context)
         # Dynamo (torch 2.13, 2.14) drops a checkpoint's unused outputs (a parameter the forward
         # does not read) after tracing, and in a region called more than once it renumbers them

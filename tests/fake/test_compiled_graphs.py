@@ -426,40 +426,41 @@ class Checkpointed(nn.Module):
 def test_blocks_under_the_users_checkpoint_compile_in_one_graph_and_train_as_eager_mode():
     """``fullgraph=True`` through a block's gather inside the user's checkpoint: it failed ("HOP:
     Unsafe side effect", the gather sets the group's gathered tensors); now one graph each way
-    (aot_eager), the backward all-gathers each block once, as without the checkpoint (world 2),
-    and 3 steps give eager shardkit's parameters exactly (world 1)."""
-    def trained(fully_shard, mesh, run=lambda m: m) -> dict:
+    (aot_eager), and the backward's collectives are those without the checkpoint (world 2): each
+    block all-gathered again where it reshards after forward, not at all where it does not (the
+    user's checkpoint recomputed that gather too, 3 all-gathers more than eager mode's backward);
+    and 2 steps give eager shardkit's parameters exactly (world 1)."""
+    def sharded(fully_shard, mesh, checkpointed: bool, reshard: bool) -> Checkpointed:
         torch.manual_seed(0)
-        model = Checkpointed(True)
+        model = Checkpointed(checkpointed)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh)
-        step = run(model)
+        return model
+
+    def trained(model: nn.Module, step) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for i in range(3):
+        for i in range(2):
             step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
         return {n: p.full_tensor() for n, p in model.named_parameters()}
 
-    backward = {}
-    for checkpointed in (False, True):
-        recording = Recording()
-        with fake_world(2) as mesh:
+    for reshard, gathered_again in ((True, 3), (False, 0)):
+        backward = {}
+        for checkpointed in (False, True):
+            recording = Recording()
+            with fake_world(2) as mesh:
+                torch._dynamo.reset()
+                torch.compile(sharded(shardkit.compiled.fully_shard, mesh, checkpointed, reshard), fullgraph=True, backend=recording)(torch.randn(4, 8)).sum().backward()
+            assert recording.dynamo_graphs == 1 and len(recording.graphs["backward"]) == 1
+            backward[checkpointed] = Counter(kind for kind, _ in recording.collectives("backward"))
+        assert backward[True] == backward[False] == Counter(all_gather=gathered_again, reduce_scatter=4), (reshard, backward)
+        with fake_world(1) as mesh:
             torch._dynamo.reset()
-            model = Checkpointed(checkpointed)
-            for block in model.blocks:
-                shardkit.compiled.fully_shard(block, mesh=mesh)
-            shardkit.compiled.fully_shard(model, mesh=mesh)
-            torch.compile(model, fullgraph=True, backend=recording)(torch.randn(4, 8)).sum().backward()
-        assert recording.dynamo_graphs == 1 and len(recording.graphs["backward"]) == 1
-        backward[checkpointed] = Counter(kind for kind, _ in recording.collectives("backward"))
-    assert backward[True] == backward[False] == Counter(all_gather=3, reduce_scatter=4), backward  # the blocks gathered again, every group reduced
-    with fake_world(1) as mesh:
-        torch._dynamo.reset()
-        eager = trained(shardkit.fully_shard, mesh)
-        compiled = trained(shardkit.compiled.fully_shard, mesh, lambda m: torch.compile(m, fullgraph=True, backend="aot_eager"))
-    assert all(torch.equal(compiled[n], eager[n]) for n in eager)
+            eager = trained(model := sharded(shardkit.fully_shard, mesh, True, reshard), model)
+            compiled = trained(model := sharded(shardkit.compiled.fully_shard, mesh, True, reshard), torch.compile(model, fullgraph=True, backend="aot_eager"))
+        assert all(torch.equal(compiled[n], eager[n]) for n in eager), reshard
 
 
 def test_dynamo_reaches_each_module_and_group_by_one_path(monkeypatch):
