@@ -2,7 +2,8 @@
 whose forward breaks the graph between two layers (a branch on a value read with ``.item()``, as
 routers and checks do) run as several graphs, the group's gathered parameters held between them,
 and train as eager shardkit does. (One graph, ``fullgraph=True``, is what the other compiled-mode
-checks use.)"""
+checks use.) And blocks the parent's forward calls through ``torch.utils.checkpoint``, as
+transformers' ``gradient_checkpointing_enable`` does, in one graph."""
 
 import pytest
 import torch
@@ -61,6 +62,40 @@ def blocks_that_break_the_graph_train_as_eager_shardkit(mesh, impl):
             assert counters["graph_break"], "the blocks were meant to break the graph"
         runs[mode] = p
     assert_same_bits(runs["compiled"], runs["eager"], "blocks that break the graph")
+
+
+class CheckpointedChain(Chain):
+    """Chain whose forward calls each block through the user's checkpoint."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.out(x)
+
+
+def Checkpointed() -> Chain:  # noqa: N802 (a model class, to its callers)
+    return CheckpointedChain([nn.Sequential(nn.Linear(13, 13), nn.Tanh()) for _ in range(2)])
+
+
+@checks("shardkit", sim=False)
+def blocks_under_the_users_checkpoint_train_as_eager_shardkit(mesh, impl):
+    """``fullgraph=True`` through a gather inside the user's checkpoint (it failed: "HOP: Unsafe
+    side effect"), resharding after forward or not (not: the gather is saved, not recomputed).
+    Two AdamW steps: the unsharded model's gradients, and eager shardkit's bits."""
+    for reshard in (True, False):
+        runs = {}
+        for mode in ("eager", "compiled"):
+            torch._dynamo.reset()
+            p = Parity.build(Checkpointed, shard(mode, mesh, reshard_after_forward=reshard), mesh, "compiled", loss_of=mse)
+            if mode == "compiled":
+                p.model = torch.compile(p.model, backend="aot_eager", fullgraph=True)
+            for batch in stack_batches(2):
+                p.forward_backward(batch)
+                p.assert_grads_match()
+                p.optimizer_step()
+            runs[mode] = p
+        assert_same_bits(runs["compiled"], runs["eager"], f"blocks under the user's checkpoint, reshard_after_forward={reshard}")
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
