@@ -281,10 +281,11 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
                     unsharded[c.index] = _Attach.apply(unsharded[c.index], mark, built)
         return unsharded + marks
 
-    if torch.is_grad_enabled():
-        # resharding: a selective checkpoint that recomputes the gather in backward; not: one that
-        # keeps all of it, so that the user's own checkpoint around the block does not recompute
-        # it either (eager mode's backward uses the parameters it kept: no all-gather)
+    if torch.is_grad_enabled() and (settings.reshard or torch.compiler.is_compiling()):
+        # resharding: a selective checkpoint that recomputes the gather in backward; not, in a
+        # graph: one that keeps all of it, so that the user's own checkpoint around the block does
+        # not recompute it either (eager mode's backward uses the parameters it kept: no
+        # all-gather). Run without torch.compile, that one would only cost time every step.
         kept_pg = group.post_forward.across.pg_name if settings.post_forward else None
         context = functools.partial(_Recompute.contexts, kept_pg) if settings.reshard else _keep_all_contexts
         out = checkpoint(run, *shards, *kept, use_reentrant=False, context_fn=context)

@@ -111,7 +111,7 @@ MUTANTS = {
                                    "blocks run as regions under fullgraph=False: a block that breaks the graph fails the compile"),
     "compiled-no-side-effects-under-checkpoint": ("shardkit/compiled/__init__.py", "    _side_effects_under_checkpoint()\n", "",
                                                   "a block under the user's torch.utils.checkpoint fails fullgraph=True: the gather's state is a side effect"),
-    "compiled-no-keep-all-gather": ("shardkit/compiled/gather.py", "    if torch.is_grad_enabled():\n        # resharding", "    if settings.reshard and torch.is_grad_enabled():\n        # resharding",
+    "compiled-no-keep-all-gather": ("shardkit/compiled/gather.py", "(settings.reshard or torch.compiler.is_compiling())", "settings.reshard",
                                     "a block that keeps its parameters all-gathers them again in backward under the user's checkpoint"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
