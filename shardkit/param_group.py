@@ -47,6 +47,7 @@ from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.optim import local_step
 from shardkit.options import GroupOptions
+from shardkit.tensors import outside_inference_mode
 
 
 class Holding(enum.Enum):
@@ -177,6 +178,7 @@ class ParamGroup:
             if part.plan is not None:
                 part.plan.post_forward = None
 
+    @outside_inference_mode
     def lazy_init(self) -> None:
         for p in self.params:
             p.adopt_registered()
@@ -191,6 +193,7 @@ class ParamGroup:
         self.initialized = True
 
     # Unshard / reshard -------------------------------------------------------------------
+    @outside_inference_mode
     def issue_unshard(self) -> None:
         """Issue the all-gather and return (``wait_for_unshard`` waits, copies out and
         registers); a no-op if one is issued or the kept data is still fresh."""
@@ -229,6 +232,7 @@ class ParamGroup:
         held = self.holding in (Holding.UNSHARDED, Holding.KEPT) and self._fresh()
         return self.holding is not Holding.GATHERING and not held
 
+    @outside_inference_mode
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
         if self.holding is not Holding.GATHERING:
@@ -244,6 +248,7 @@ class ParamGroup:
         self._drop_post_forward()
         self._reshard(free, "" if free else "(data kept)")
 
+    @outside_inference_mode
     def reshard_to_post_forward(self) -> None:
         """After forward with ``reshard_after_forward=R``: keep this rank's 1/R of every
         parameter for the backward all-gather among R ranks, free the rest."""

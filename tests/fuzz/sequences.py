@@ -342,6 +342,7 @@ class Side:
     params: dict[str, nn.Parameter] = field(default_factory=dict)  # what the optimizer holds, by FQN
     optim: Optimizers | None = None
     loss: torch.Tensor | None = None
+    eval_loss: torch.Tensor | None = None  # the last evaluate's, a plain tensor
     alive: bool = True  # False once it rejected a call (FSDP2) or disagreed with the reference
     why_out: str = ""
     seen: list = field(default_factory=list)  # collectives of the last call
@@ -402,6 +403,7 @@ class Run:
         self.unreduced = {g: False for g in self.groups}  # gradients kept unreduced since a backward
         self.factor = {g: None for g in self.groups}  # set_gradient_divide_factor
         self.ref_loss: torch.Tensor | None = None
+        self.ref_eval_loss: torch.Tensor | None = None  # the last evaluate's
         self.dtype = torch.float32
         # A forward left without its backward, then another forward or an optimizer step:
         # shardkit re-gathers what an optimizer step may have changed, FSDP2 reuses it. Both
@@ -461,7 +463,7 @@ class Run:
             cmd = (name, *args)
         if self.ref_loss is not None and name in ("forward", "step", "zero_grad", "train"):
             self.gathers_comparable = False
-        if self.unwaited and name not in ("forward", "train", "unshard", "set"):
+        if self.unwaited and name not in ("forward", "evaluate", "train", "unshard", "set"):
             # FSDP2 keeps an unwaited all-gather across a reshard (reshard(), state dicts) for
             # the next unshard to use; shardkit waits for it and frees it (a later unshard
             # gathers fresh data, as the state dict may have changed it).
@@ -497,7 +499,7 @@ class Run:
             self.fsdp2_zero_grads = True
         if name == "set" and args[0] == "lockstep" and args[2]:
             self.lockstep = True  # its agreements are collectives of their own: nothing to compare
-        if name in ("forward", "train", "raise_in_forward"):
+        if name in ("forward", "evaluate", "train", "raise_in_forward"):
             self.unwaited.clear()
         elif name == "unshard":
             (self.unwaited.add if args[1] == "async_no_wait" else self.unwaited.discard)(args[0])
@@ -559,6 +561,11 @@ class Run:
         if cmd[0] == "step":
             self._check_muon_step(cmd)
         tol = self.tolerance()
+        if cmd[0] == "evaluate":
+            for side in self.live_sides():
+                loss = side.eval_loss.clone()
+                dist.all_reduce(loss)
+                self._compare(side, f"{cmd[2]} loss", loss / self.world, self.ref_eval_loss, tol)
         if cmd[0] == "forward" and self.ref_loss is not None:
             for side in self.live_sides():
                 if side.loss is None:
@@ -704,19 +711,41 @@ class Run:
     def do_forward(self, seed: int, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
         if dry:
             return True
-        x, y = batch(seed, self.spec)
-        if x.is_floating_point():
-            x = x.to(self.dtype)
+        x, y = self._batch(seed, local=side is not None)
         if side is not None:
-            per = BATCH // self.world if BATCH >= self.world else 1
-            lo = (self.rank * per) % BATCH
             side.loss = None
-            side.loss = loss_of(side.model, x[lo : lo + per], y[lo : lo + per])
+            side.loss = loss_of(side.model, x, y)
         elif reference:
             self.ref_loss = loss_of(self.reference, x, y)
         else:
             self.ref_loss = torch.zeros(())
         return True
+
+    def do_evaluate(self, seed: int, mode: str, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """A forward under ``torch.no_grad`` or ``torch.inference_mode`` (a validation pass):
+        its loss against the reference's, and every later call as before."""
+        if dry:
+            return self.ref_loss is None  # not between a forward and its backward
+        x, y = self._batch(seed, local=side is not None)
+        with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]():
+            loss = loss_of(side.model if side is not None else self.reference, x, y) if side is not None or reference else torch.zeros(())
+        loss = torch.tensor(loss.item())  # (an inference tensor cannot be all-reduced outside inference mode)
+        if side is not None:
+            side.eval_loss = loss
+        else:
+            self.ref_eval_loss = loss
+        return True
+
+    def _batch(self, seed: int, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch of ``seed``, or (``local``) this rank's part of it."""
+        x, y = batch(seed, self.spec)
+        if x.is_floating_point():
+            x = x.to(self.dtype)
+        if not local:
+            return x, y
+        per = BATCH // self.world if BATCH >= self.world else 1
+        lo = (self.rank * per) % BATCH
+        return x[lo : lo + per], y[lo : lo + per]
 
     def do_backward(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
         if dry:

@@ -75,7 +75,8 @@ def _training_calls() -> list[st.SearchStrategy[tuple]]:
     train = st.tuples(st.just("train"), seeds)
     clipped = st.tuples(st.just("train"), seeds, st.sampled_from([0.01, 1000.0]))  # clip_grad_norm_ before the step
     forward = st.tuples(st.just("forward"), seeds)
-    return [train, train, clipped, forward, forward, st.just(("backward",)), st.just(("backward",)), st.just(("step",)), st.just(("zero_grad",))]
+    evaluate = st.tuples(st.just("evaluate"), seeds, st.sampled_from(["no_grad", "inference_mode"]))  # a validation pass
+    return [train, train, clipped, forward, forward, evaluate, st.just(("backward",)), st.just(("backward",)), st.just(("step",)), st.just(("zero_grad",))]
 
 
 STATE_CALLS = [st.just(("state_dict_roundtrip",)), st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0]))]

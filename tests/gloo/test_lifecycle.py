@@ -2,7 +2,8 @@
 replaced before the first forward, meta-device init with ``load_state_dict(assign=True)``, a
 group whose module is also called on its own (chunked loss), two forwards then one backward
 under activation checkpointing, ``.to(dtype)`` after ``fully_shard``, a module replacing its
-own parameter's data in forward (HF SwitchTransformers' router), zero-size parameters.
+own parameter's data in forward (HF SwitchTransformers' router), zero-size parameters, evaluation
+under ``inference_mode`` or ``no_grad`` before and between steps.
 """
 
 
@@ -16,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardkit
 from gloo_harness import Checks, run_worker
-from gloo_parity import FULLY_SHARD, Parity, assert_close, full, local, stack_batches
+from gloo_parity import FULLY_SHARD, Parity, Stack, assert_close, full, local, stack_batches
 
 checks = Checks()
 STEPS = 3
@@ -237,7 +238,7 @@ def a_router_casting_its_own_weights_in_forward_uses_each_steps_weights(mesh, im
 
 @checks()
 def to_float32_after_fully_shard_keeps_the_mixed_precision_policy(mesh, impl):
-    from gloo_parity import Stack, stack_loss
+    from gloo_parity import stack_loss
 
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
@@ -308,6 +309,34 @@ def a_2d_mesh_without_dim_names_is_hsdp(mesh, impl):
         p.train(stack_batches(STEPS))
         p.assert_params_match()
         assert p.model.blocks[0].weight.placements[0].is_replicate(), shape
+
+
+# Evaluation under inference_mode / no_grad ---------------------------------------------------------
+@checks("shardkit")  # FSDP2: inference_mode first fails the training forward; no_grad gives wrong steps
+def evaluation_under_inference_mode_or_no_grad_before_and_between_steps_matches_the_reference(mesh, impl):
+    """A validation pass before training (Lightning's sanity check runs under inference_mode),
+    the optimizer made after it, and one between steps. FSDP2 (2.13) fails the first training
+    forward after an inference_mode one ("Inplace update to inference tensor outside
+    InferenceMode"); after a no_grad one its root still holds the unsharded parameters, so an
+    optimizer made then steps those, and training goes on to other numbers with no error."""
+    for mode in (torch.inference_mode, torch.no_grad):
+        for reshard_after_forward in (True, False):
+            def shard(m):
+                for block in m.blocks:
+                    FULLY_SHARD[impl](block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                FULLY_SHARD[impl](m, mesh=mesh)
+
+            p = Parity.build(Stack, shard, mesh, impl)
+            probe = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+            for i, batch in enumerate(stack_batches(STEPS)):
+                with mode():
+                    out, ref_out = p.model(probe), p.ref(probe)
+                assert_close(out, ref_out, f"{mode.__name__}, reshard_after_forward={reshard_after_forward}: evaluation before step {i}")
+                if i == 0:
+                    p.__post_init__()  # the optimizers, made after the first evaluation
+                result = p.step(batch)
+                assert_close(result.loss, result.ref_loss, f"{mode.__name__}, reshard_after_forward={reshard_after_forward}: loss at step {i}")
+            p.assert_params_match()
 
 
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
