@@ -57,6 +57,12 @@ class GraphBucket:
         return [c.index for c in self.copies]
 
     @property
+    def differentiable(self) -> bool:
+        """Floating point or complex. An integer parameter (frozen: torch allows no other) gets
+        no gradient: its bucket's leaves (``CompiledGroup._leaf``) take none either."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @property
     def reduced_numel(self) -> int:
         """One rank's part of the reduce-scatter: its rows, then one grad-presence count per parameter."""
         return sum(self.numels) + len(self.copies)
@@ -254,8 +260,8 @@ class CompiledGroup:
     def _leaf(self, leaves: dict[int, torch.Tensor], b: int, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         if b not in leaves:
             bucket, p = self.buckets[b], self.params[self.buckets[b].copies[0].index]
-            dtype = bucket.reduce_dtype if dtype is None else dtype
-            leaves[b] = torch.zeros((), dtype=dtype, device=p.device).expand(numel).detach().requires_grad_()
+            dtype = (bucket.reduce_dtype if bucket.differentiable else torch.float32) if dtype is None else dtype
+            leaves[b] = torch.zeros((), dtype=dtype, device=p.device).expand(numel).detach().requires_grad_(bucket.differentiable)
         return leaves[b]
 
     def take_unreduced(self, b: int) -> torch.Tensor | None:

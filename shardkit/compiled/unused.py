@@ -118,7 +118,7 @@ def rewatch(group: CompiledGroup) -> None:
     in place, and the hooks registered on it stop firing."""
     for b, bucket in enumerate(group.buckets):
         leaf = group.presence_leaf(b)
-        if group.unread.intersection(bucket.indices) and group.hooked.get(b) is not leaf:
+        if bucket.differentiable and group.unread.intersection(bucket.indices) and group.hooked.get(b) is not leaf:
             leaf.register_hook(lambda counts, group=group: _counted(group))
             group.hooked[b] = leaf
 

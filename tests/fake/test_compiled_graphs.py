@@ -322,6 +322,61 @@ def test_only_the_parameters_a_forward_did_not_read_are_checked_after_backward()
         assert list(root.hooked) == [0]  # the presence leaf of the root's one bucket
 
 
+class _Permuted(nn.Module):
+    """A block whose forward reads a frozen integer parameter (a permutation of its features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.perm = nn.Parameter(torch.randperm(8), requires_grad=False)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))[..., self.perm]
+
+
+def test_a_frozen_integer_parameter_is_gathered_and_trains_as_eager_mode():
+    """An integer parameter (``requires_grad=False``: torch allows no other) in a block's group
+    and the root's: compiled mode raised at ``fully_shard`` ("only Tensors of floating point
+    dtype can require gradients": its bucket's grad-presence leaf). Now it is all-gathered as
+    eager mode does, and 3 steps under ``torch.compile`` (fullgraph, aot_eager) give eager
+    shardkit's parameters exactly (world 1), with accumulation without sync and
+    ``set_reshard_after_backward(False)`` (their leaves for an integer bucket hold nothing);
+    at world 2 it compiles to one graph each way."""
+    def sharded(fully_shard, mesh) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Permuted(), _Permuted(), nn.Linear(8, 1))
+        model.register_parameter("offset", nn.Parameter(torch.arange(3), requires_grad=False))
+        for block in model[:2]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_reshard_after_backward(False)
+        return model
+
+    def trained(model: nn.Module, step) -> dict:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for i in range(3):
+            model.set_requires_gradient_sync(i != 1)
+            step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
+            if i != 1:
+                optimizer.step()
+                optimizer.zero_grad()
+        for module in (m for m in model.modules() if isinstance(m, shardkit.FSDPModule)):
+            module.reshard()  # (eager mode holds the unsharded parameters after backward: not resharding)
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    with fake_world(1) as mesh:
+        torch._dynamo.reset()
+        eager = trained(model := sharded(shardkit.fully_shard, mesh), model)
+        compiled = trained(model := sharded(shardkit.compiled.fully_shard, mesh), torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert compiled.keys() == eager.keys() and all(torch.equal(compiled[n], eager[n]) for n in eager)
+    assert compiled["0.perm"].dtype == torch.int64 and not model[0].perm.requires_grad
+    recording = Recording()
+    with fake_world(2) as mesh:
+        torch._dynamo.reset()
+        torch.compile(sharded(shardkit.compiled.fully_shard, mesh), fullgraph=True, backend=recording)(torch.randn(4, 8)).sum().backward()
+    assert recording.dynamo_graphs == 1 and len(recording.graphs["backward"]) == 1
+
+
 def test_a_second_model_compiles_in_the_same_process():
     """Two compiled-mode models of the same code, compiled one after the other (make bench
     --compile does: with and without the overlap pass): the second recompiles the same frames,
