@@ -252,6 +252,16 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
         m.__class__ = api.subclass(type(m), namespace, mixin)
 
 
+def _gatherer(group: CompiledGroup, module: nn.Module) -> int:
+    """Which of the group's modules gathers it. A group of several modules that each gather it
+    in one graph (called outside their parent's forward, or a group without a parent) gathers
+    the same way twice: AOTAutograd's CSE then merges the second gather into the first across
+    their two checkpoints, and its partitioner fails ("failed to partition the joint
+    forward-backward graph": it must save at that boundary the copy-out's list of outputs).
+    ``gather._bucket_gathered`` views the first shard by this index, which keeps them apart."""
+    return group.modules.index(module) if len(group.modules) > 1 else 0
+
+
 def _param_property(group: CompiledGroup, name: str, i: int) -> property:
     def get(module: nn.Module) -> Any:
         return unused.reading(group, i) if group.gathered is not None else module._parameters[name]
@@ -265,17 +275,25 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
 
     def gathering_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
-        if group.gathered is not None:  # re-entry: another module of the group
+        if group.running:  # re-entry: another module of the group, called inside this one
             output = forward(self, *args, **kwargs)
         elif group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs) and region.allowed_here():
             output = region.run(group, self, args, kwargs)
         else:
             unused.forward_begins(group)
-            group.gathered, group.marks = gather(group)
+            if group.gathered is None:  # (else kept by an earlier module of a spanning group, in this forward of its parent)
+                group.gathered, group.marks = gather(group, _gatherer(group, self))
+            group.running = True
+            for child in group.spanning:
+                child.scoped = True
             try:
                 output = forward(self, *args, **kwargs)
             finally:
-                group.gathered, group.marks = None, []
+                group.running = False
+                if not group.scoped:
+                    group.gathered, group.marks = None, []
+                for child in group.spanning:
+                    child.scoped, child.gathered, child.marks = False, None, []
             unused.forward_ends(group, self)
         return cast_output(group.mp_policy, output)
 

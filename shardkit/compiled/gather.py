@@ -249,14 +249,14 @@ def reused(group: CompiledGroup, kept: tuple) -> list[bool]:
     return [r is not None for r in kept[i * n : (i + 1) * n]]
 
 
-def gather(group: CompiledGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gather(group: CompiledGroup, call: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The group's unsharded parameters, from one all-gather per bucket (recomputed in backward
     when the group reshards after forward), and their marks (unused.py)."""
     settings = Settings.of(group)
-    return gathered(group, settings, *gather_inputs(group, settings), traced=True)
+    return gathered(group, settings, *gather_inputs(group, settings), traced=True, call=call)
 
 
-def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple, traced: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple, traced: bool, call: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``gather`` from its inputs (``kept``: ``gather_inputs``'s second); ``traced``: with the
     trace ops (see ``_GatherGraphBucket``)."""
     n = len(group.params)
@@ -271,7 +271,7 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         marks = []  # per bucket
         for b, (bucket, s) in enumerate(zip(buckets, per_bucket)):
             copies = _copies(bucket)
-            *params, bucket_marks = _bucket_gathered(group.uid, b, tuple(s), traced, unreduced[b], partial[b], presence[b], reuse[b], keep[b],
+            *params, bucket_marks = _bucket_gathered(group.uid, b, tuple(s), traced, call, unreduced[b], partial[b], presence[b], reuse[b], keep[b],
                                                      *(shards[c.index] for c in copies))
             marks.append(bucket_marks)
             for c, param in zip(copies, params):
@@ -305,7 +305,7 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
 
 
 @torch._dynamo.allow_in_graph
-def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor,
+def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, call: int, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor,
                      reuse: torch.Tensor | None, keep: torch.Tensor | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Bucket ``b`` of group ``uid`` all-gathered (``_GatherGraphBucket``) from its parameters'
     ``shards``: each parameter unsharded (TP-local, not yet a DTensor), then the bucket's marks.
@@ -315,6 +315,8 @@ def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, unreduced:
     key, names that block's group: the other blocks of the key have its layout, so the same ops."""
     group = by_uid(uid)
     bucket = group.buckets[b]
+    if call:  # (see gathering_forward: the same view of the first shard, in ops of its own)
+        shards = (shards[0][: shards[0].shape[0] + call], *shards[1:])
     flat = torch.cat([_padded(shard, c.padded_rows) for shard, c in zip(shards, bucket.copies)])
     gathered, marks = _GatherGraphBucket.apply(flat, unreduced, partial, presence, reuse, keep, group, bucket, Settings(*settings), traced)
     rows = gathered.view(group.shard.world, -1)

@@ -138,8 +138,14 @@ class CompiledGroup:
         self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
         self.reshard_after_backward = True  # set_reshard_after_backward
-        self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs
+        self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs (spanning: while its parent's does)
         self.marks: list[torch.Tensor] = []  # with them: each parameter's mark (unused.py)
+        self.running = False  # one of its modules' forwards is running (a call of another one inside it gathers nothing)
+        # A group of several modules (fully_shard([a, b])) directly inside another call: gathered at the first of its
+        # modules' forwards, kept while its parent's forward runs (``scoped``, set by the parent), as eager mode keeps it
+        # from the first of them to the last: one all-gather per forward, not one per module
+        self.spanning: list[CompiledGroup] = []  # such groups directly inside this one
+        self.scoped = False
         self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
         # what the graph's calls name the group by (by_uid); a string: an int that differs between two
         # models' groups would turn symbolic when dynamo compiles the second (automatic dynamic)
@@ -277,6 +283,8 @@ class CompiledGroup:
     def nest_in(self, parent: "CompiledGroup") -> None:
         """A later ``fully_shard`` call on a module around ours: it is our parent."""
         self.parent, self.is_root = parent, False
+        if len(self.modules) > 1:
+            parent.spanning.append(self)
 
     def check_movable(self) -> None:
         """Raises if backwards without sync (or without the all-reduce) kept gradients: a new

@@ -377,6 +377,80 @@ def test_a_frozen_integer_parameter_is_gathered_and_trains_as_eager_mode():
     assert recording.dynamo_graphs == 1 and len(recording.graphs["backward"]) == 1
 
 
+class _NormAndHead(nn.Module):
+    """Two blocks, then a norm and a head that are one group (``fully_shard([norm, head])``, as
+    torchtitan groups them); ``head_outside``: the forward stops at the norm and the loss
+    calls the head (a chunked loss)."""
+
+    def __init__(self, head_outside: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 3)
+        self.head_outside = head_outside
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return x if self.head_outside else self.head(x)
+
+
+def _norm_and_head(fully_shard, mesh, head_outside: bool = False, **kwargs) -> _NormAndHead:
+    torch.manual_seed(0)
+    model = _NormAndHead(head_outside)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard([model.norm, model.head], mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def test_a_group_of_several_modules_gathers_once_per_forward_as_eager_mode():
+    """``fully_shard([norm, head])`` under ``torch.compile`` failed in AOTAutograd's partitioner
+    ("failed to partition the joint forward-backward graph") whenever the group reshards after
+    forward (the default below the root): each module gathered the group, CSE merged the two
+    gathers across their checkpoints, and the boundary fell on the copy-out's list of outputs.
+    Now the group is gathered at the norm and kept for the head while the root's forward runs,
+    as eager mode keeps it: at world 2 the forward and backward graphs (one each) hold eager
+    shardkit's collectives and bytes, for both reshard_after_forward values. A head the loss
+    calls outside the forward gathers again, as in eager mode. 3 AdamW steps give eager
+    shardkit's parameters exactly (world 1)."""
+    def step_of(model: _NormAndHead):
+        return (lambda x: model.head(model(x))) if model.head_outside else model
+
+    for kwargs in ({}, dict(reshard_after_forward=False)):
+        recording = Recording()
+        with fake_world(2) as mesh:
+            torch._dynamo.reset()
+            # (an input that requires grad: else the graph's backward needs no weight of the first block, and gathers it not)
+            torch.compile(_norm_and_head(shardkit.compiled.fully_shard, mesh, **kwargs), fullgraph=True, backend=recording)(torch.randn(4, 8, requires_grad=True)).sum().backward()
+            model = _norm_and_head(shardkit.fully_shard, mesh, **kwargs)
+            with shardkit.trace() as t:
+                out = model(torch.randn(4, 8, requires_grad=True))
+            eager_forward = Counter((e.kind, e.nbytes) for e in t.collectives())
+            with shardkit.trace() as t:
+                out.sum().backward()
+            eager_backward = Counter((e.kind, e.nbytes) for e in t.collectives())
+        assert recording.dynamo_graphs == 1 and [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
+        assert Counter(recording.collectives("forward")) == eager_forward and sum(eager_forward.values()) == 3, kwargs  # (the blocks, then norm and head once; the root holds none)
+        assert Counter(recording.collectives("backward")) == eager_backward, kwargs
+
+    def trained(model: nn.Module, step) -> dict:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for i in range(3):
+            step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    for head_outside in (False, True):
+        with fake_world(1) as mesh:
+            torch._dynamo.reset()
+            eager = trained(model := _norm_and_head(shardkit.fully_shard, mesh, head_outside), step_of(model))
+            compiled = trained(model := _norm_and_head(shardkit.compiled.fully_shard, mesh, head_outside), torch.compile(step_of(model), fullgraph=True, backend="aot_eager"))
+        assert all(torch.equal(compiled[n], eager[n]) for n in eager), head_outside
+
+
 def test_a_second_model_compiles_in_the_same_process():
     """Two compiled-mode models of the same code, compiled one after the other (make bench
     --compile does: with and without the overlap pass): the second recompiles the same frames,
