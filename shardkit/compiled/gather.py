@@ -115,7 +115,10 @@ def _all_gather(send: torch.Tensor, name: str, comm: Any, traced: bool) -> torch
 def _reduce_scatter(grad: torch.Tensor, shard: Any) -> torch.Tensor:
     """The summed rows of this rank. On gloo, whose reduce-scatter is slow, the bytes of one as
     an all-to-all (chunk r to rank r) and the sum of the received chunks here, as eager mode
-    (docs/design.md, "On gloo, reduce-scatter is an all-to-all"): the same sum, in the same order."""
+    (docs/design.md, "On gloo, reduce-scatter is an all-to-all"): the same sum, in the same order.
+    A complex gradient goes as its real view (gloo's all-to-all takes no complex dtype)."""
+    if grad.is_complex():
+        return torch.view_as_complex(_reduce_scatter(torch.view_as_real(grad).reshape(-1), shard).view(-1, 2))
     if shard.gloo:
         splits = [grad.numel() // shard.world] * shard.world
         chunks = torch.ops._c10d_functional.all_to_all_single(grad, splits, splits, shard.pg_name)
