@@ -120,6 +120,7 @@ def fully_shard(
     sharded = api.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
     own = list(sharded.values())
     _check_self_gathered(own, reshard_after_forward if post_forward_mesh is not None else None)
+    _check_dense_grads(own)
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
     group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard, mp_policy, owners, post_forward_mesh)
     _check_owners(group, borrowed)
@@ -206,6 +207,16 @@ def _check_self_gathered(params: list[ShardedParam], post_forward: int | None) -
     if why:
         raise NotImplementedError(f"shardkit.compiled: {why} with parameter '{hooked.fqn}' with fsdp_pre_all_gather is not supported; "
                                   "use shardkit.fully_shard (eager) for it, or a bool reshard_after_forward.")
+
+
+def _check_dense_grads(params: list[ShardedParam]) -> None:
+    """An embedding with ``sparse=True`` gives its weight a sparse gradient, which the graph's
+    reduce-scatter cannot take (eager mode raises when one arrives; FSDP2 fails there too)."""
+    for p in params:
+        for slot in p.slots:
+            if isinstance(slot.module, (nn.Embedding, nn.EmbeddingBag)) and slot.module.sparse and p.requires_grad:
+                raise NotImplementedError(f"shardkit.compiled: '{slot.name}' of {class_name(slot.module)} has sparse gradients (sparse=True), which "
+                                          "fully_shard does not reduce; build it with sparse=False, or pass the parameter in ignored_params.")
 
 
 def _borrowed(found: api.Found) -> list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]:

@@ -54,6 +54,12 @@ class ParamSlot:
     name: str
 
 
+def sparse_grad_error(what: str, layout: torch.layout) -> str:
+    """A gradient that is not dense (``nn.Embedding(sparse=True)``): what to do instead."""
+    return (f"shardkit: {what} got a gradient of layout {layout}; fully_shard reduce-scatters dense gradients only. "
+            "Build the module with sparse=False (nn.Embedding, nn.EmbeddingBag), or pass the parameter in ignored_params.")
+
+
 class UnshardedBuffer:
     """A plain parameter's unsharded form: the all-gather's output (``flat``, ``world *
     shard_numel`` elements in ``param_dtype``, on the compute device), the same bytes as
@@ -455,6 +461,8 @@ class ShardedParam:
         """A TP parameter's gradient as the local tensor of the TP placements. On a full SPMD
         mesh the data-parallel dims keep their placement (a Partial there is this rank's part
         of the sum, which the reduce-scatter adds up)."""
+        if grad is not None and grad.layout != torch.strided:
+            raise RuntimeError(sparse_grad_error(f"parameter '{self.fqn}'", grad.layout))
         if isinstance(grad, DTensor):
             spec = self.tp_spec
             target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, spec.placements)))

@@ -317,3 +317,34 @@ def test_a_full_parameter_assigned_before_the_first_forward_is_sharded_then():
         assert m.weight.grad is not None
         with pytest.warns(UserWarning, match="holds 1 parameters that fully_shard has replaced"):
             early.step()
+
+
+class _SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_sparse_gradient_raises_naming_the_parameter_and_ignored_params_keep_it_local(mesh8):
+    """``nn.Embedding(sparse=True)``: its weight's gradient is sparse, which no reduce-scatter
+    takes (FSDP2 fails with "Could not run 'fsdp::chunk_cat' ... 'SparseCPU'", shardkit failed
+    with "reshape is not implemented for sparse tensors"). Eager mode raises when it arrives,
+    naming the parameter; compiled mode at fully_shard. Left out with ``ignored_params`` the
+    weight trains as a plain local tensor with its sparse gradient."""
+    import shardkit.compiled
+
+    model = _SparseLookup()
+    fully_shard(model.emb, mesh=mesh8)
+    fully_shard(model, mesh=mesh8)
+    with pytest.raises(RuntimeError, match=r"parameter 'emb.weight' got a gradient of layout torch.sparse_coo.*sparse=False.*ignored_params"):
+        model(torch.randint(0, 10, (2, 3))).sum().backward()
+    with pytest.raises(NotImplementedError, match=r"'weight' of Embedding has sparse gradients.*sparse=False"):
+        shardkit.compiled.fully_shard(_SparseLookup(), mesh=mesh8)
+    model = _SparseLookup()
+    fully_shard(model, mesh=mesh8, ignored_params={model.emb.weight})
+    model(torch.randint(0, 10, (2, 3))).sum().backward()
+    assert model.emb.weight.grad.layout == torch.sparse_coo and isinstance(model.head.weight.grad, DTensor)
