@@ -66,11 +66,12 @@ def op_accesses(func, args: tuple, kwargs: dict, out) -> tuple[list, list, list]
 
 
 def _plain(value) -> list[torch.Tensor]:
-    """Plain tensors in ``value`` (a tensor subclass counts through its inner tensors)."""
+    """Plain tensors in ``value`` (a tensor subclass counts through its inner tensors; a
+    sparse one, which has no storage of its own, not at all)."""
     if isinstance(value, torch.Tensor):
         if is_traceable_wrapper_subclass(value):
             return [t for name in value.__tensor_flatten__()[0] for t in _plain(getattr(value, name))]
-        return [value]
+        return [value] if value.layout == torch.strided else []
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _plain(v)]
     return []
