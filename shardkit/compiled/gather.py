@@ -318,7 +318,7 @@ def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, call: int,
     key, names that block's group: the other blocks of the key have its layout, so the same ops."""
     group = by_uid(uid)
     bucket = group.buckets[b]
-    if call and type(shards[0]) is torch.Tensor:  # (compiled._gatherer: the same view of the first shard, in ops of its own)
+    if call and group.params[bucket.copies[0].index].extension is None:  # (compiled._gatherer: the same view of the first shard, in ops of its own)
         shards = (shards[0][: shards[0].shape[0] + call], *shards[1:])
     flat = torch.cat([_padded(shard, c.padded_rows) for shard, c in zip(shards, bucket.copies)])
     gathered, marks = _GatherGraphBucket.apply(flat, unreduced, partial, presence, reuse, keep, group, bucket, Settings(*settings), traced)
