@@ -295,6 +295,16 @@ def test_peak_memory_is_at_most_eager_shardkits():
         assert peaks["compiled", reshard] <= peaks["eager", reshard], peaks
 
 
+def trained(model: nn.Module, step, steps: int) -> dict:
+    """``steps`` AdamW steps of ``step`` (the model, or what calls it) on batches (4, 8): the full parameters."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(steps):
+        step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
 class _TwoAndASpare(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -352,7 +362,7 @@ def test_a_frozen_integer_parameter_is_gathered_and_trains_as_eager_mode():
         model.set_reshard_after_backward(False)
         return model
 
-    def trained(model: nn.Module, step) -> dict:
+    def accumulated(model: nn.Module, step) -> dict:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         for i in range(3):
             model.set_requires_gradient_sync(i != 1)
@@ -366,8 +376,8 @@ def test_a_frozen_integer_parameter_is_gathered_and_trains_as_eager_mode():
 
     with fake_world(1) as mesh:
         torch._dynamo.reset()
-        eager = trained(model := sharded(shardkit.fully_shard, mesh), model)
-        compiled = trained(model := sharded(shardkit.compiled.fully_shard, mesh), torch.compile(model, fullgraph=True, backend="aot_eager"))
+        eager = accumulated(model := sharded(shardkit.fully_shard, mesh), model)
+        compiled = accumulated(model := sharded(shardkit.compiled.fully_shard, mesh), torch.compile(model, fullgraph=True, backend="aot_eager"))
     assert compiled.keys() == eager.keys() and all(torch.equal(compiled[n], eager[n]) for n in eager)
     assert compiled["0.perm"].dtype == torch.int64 and not model[0].perm.requires_grad
     recording = Recording()
@@ -435,19 +445,11 @@ def test_a_group_of_several_modules_gathers_once_per_forward_as_eager_mode():
         assert Counter(recording.collectives("forward")) == eager_forward and sum(eager_forward.values()) == 3, kwargs  # (the blocks, then norm and head once; the root holds none)
         assert Counter(recording.collectives("backward")) == eager_backward, kwargs
 
-    def trained(model: nn.Module, step) -> dict:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for i in range(3):
-            step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return {n: p.full_tensor() for n, p in model.named_parameters()}
-
     for head_outside in (False, True):
         with fake_world(1) as mesh:
             torch._dynamo.reset()
-            eager = trained(model := _norm_and_head(shardkit.fully_shard, mesh, head_outside), step_of(model))
-            compiled = trained(model := _norm_and_head(shardkit.compiled.fully_shard, mesh, head_outside), torch.compile(step_of(model), fullgraph=True, backend="aot_eager"))
+            eager = trained(model := _norm_and_head(shardkit.fully_shard, mesh, head_outside), step_of(model), 3)
+            compiled = trained(model := _norm_and_head(shardkit.compiled.fully_shard, mesh, head_outside), torch.compile(step_of(model), fullgraph=True, backend="aot_eager"), 3)
         assert all(torch.equal(compiled[n], eager[n]) for n in eager), head_outside
 
 
@@ -567,14 +569,6 @@ def test_blocks_under_the_users_checkpoint_compile_in_one_graph_and_train_as_eag
         fully_shard(model, mesh=mesh)
         return model
 
-    def trained(model: nn.Module, step) -> dict:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for i in range(2):
-            step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return {n: p.full_tensor() for n, p in model.named_parameters()}
-
     for reshard, gathered_again in ((True, 3), (False, 0)):
         backward = {}
         for checkpointed in (False, True):
@@ -587,8 +581,8 @@ def test_blocks_under_the_users_checkpoint_compile_in_one_graph_and_train_as_eag
         assert backward[True] == backward[False] == Counter(all_gather=gathered_again, reduce_scatter=4), (reshard, backward)
         with fake_world(1) as mesh:
             torch._dynamo.reset()
-            eager = trained(model := sharded(shardkit.fully_shard, mesh, True, reshard), model)
-            compiled = trained(model := sharded(shardkit.compiled.fully_shard, mesh, True, reshard), torch.compile(model, fullgraph=True, backend="aot_eager"))
+            eager = trained(model := sharded(shardkit.fully_shard, mesh, True, reshard), model, 2)
+            compiled = trained(model := sharded(shardkit.compiled.fully_shard, mesh, True, reshard), torch.compile(model, fullgraph=True, backend="aot_eager"), 2)
         assert all(torch.equal(compiled[n], eager[n]) for n in eager), reshard
 
 
