@@ -115,6 +115,8 @@ MUTANTS = {
                                     "a block that keeps its parameters all-gathers them again in backward under the user's checkpoint"),
     "unshard-inside-inference-mode": ("shardkit/tensors.py", "        if not torch.is_inference_mode_enabled():\n", "        if True:\n",
                                       "a first forward under torch.inference_mode makes the unsharded buffers inference tensors: the training forward after it fails"),
+    "compiled-gather-per-module": ("shardkit/compiled/__init__.py", "                if not group.scoped:\n", "                if True:\n",
+                                   "a group of several modules (fully_shard([a, b])) all-gathers at each module's forward, not once per forward (killed with --full, and by make fuzz: Spec.paired)"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
     "muon-owner-sends-its-own-rows": ("shardkit/optim/owners.py", "parts.extend(take(result, bucket.pieces[j][r]).reshape(-1) for j, result in results)",

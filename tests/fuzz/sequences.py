@@ -65,6 +65,7 @@ class Spec:
     compiled_mode: bool = False  # shardkit's side sharded by shardkit.compiled.fully_shard, run eagerly (no torch.compile)
     regions: bool = False  # compiled mode with region.REGIONS_FROM = 1: its blocks run region.run (eagerly the region is a plain call)
     optim: str = "adamw"  # "adamw" | "muon": Muon on the 2-D matrices but the embedding, AdamW on the rest (see Optimizers)
+    paired: bool = False  # inp and out one group, fully_shard([inp, out]) (as [embedding, head]): called first and last (untied models)
     extension: bool = False  # the blocks' lin.weight a tensor subclass with FSDP2's all-gather hooks (tests/gloo/extension_tensors.Tagged; the reference's too)
 
 
@@ -208,6 +209,8 @@ def shard(model: Net, spec: Spec, impl: str, mesh, meshes: dict | None = None) -
         fully_shard(block, reshard_after_forward=spec.reshard, **kwargs, **placement)
     if spec.tied == "across":
         fully_shard(model.head, **kwargs)
+    if spec.paired and spec.tied == "none":
+        fully_shard([model.inp, model.out], **kwargs)
     with regions_from(1 if spec.regions else None):
         fully_shard(model, **kwargs)  # the root's call chooses the blocks that run as regions
 
@@ -238,7 +241,14 @@ def groups_of(model: nn.Module) -> dict[str, nn.Module]:
     from shardkit import FSDPModule
     from shardkit.compiled import CompiledFSDPModule
 
-    return {n: m for n, m in model.named_modules() if isinstance(m, (FSDPModule, TorchFSDPModule, CompiledFSDPModule))}
+    found, states = {}, set()
+    for n, m in model.named_modules():
+        if isinstance(m, (FSDPModule, TorchFSDPModule, CompiledFSDPModule)):
+            state = m._get_fsdp_state() if not isinstance(m, (FSDPModule, CompiledFSDPModule)) else m.__dict__["_shardkit_state"]
+            if id(state) not in states:  # a group of several modules (Spec.paired): by its first one's FQN
+                states.add(id(state))
+                found[n] = m
+    return found
 
 
 def sharded_params(module: nn.Module) -> list[nn.Parameter]:

@@ -32,11 +32,12 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
     # (not with swap_data: Tagged asserts that fsdp_post_all_gather's out= is the buffer it built, which a swap
     # replaces; not with an int reshard_after_forward: NotImplementedError in FSDP2 and shardkit alike)
     extension = isinstance(reshard, bool) and draw(st.sampled_from([False] * 3 + [True]))  # (shrinks towards plain parameters)
+    tied = draw(st.sampled_from(["none", "same"] if fsdp2_only else ["none", "same", "across"]))
     return Spec(
         blocks=draw(st.sampled_from([2, 3])),
         nested=draw(st.booleans()),
         mixed=False if fsdp2_only else draw(st.booleans()),
-        tied=draw(st.sampled_from(["none", "same"] if fsdp2_only else ["none", "same", "across"])),
+        tied=tied,
         mp=draw(st.booleans()),
         reshard=reshard,
         mesh=mesh,
@@ -50,6 +51,7 @@ def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
         regions=compiled and draw(st.booleans()),
         optim=draw(st.sampled_from(["adamw"] * 3 + ["muon"])),  # (shrinks towards AdamW alone)
         extension=extension,
+        paired=tied == "none" and draw(st.booleans()),
     )
 
 
