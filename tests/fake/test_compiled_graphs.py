@@ -554,35 +554,42 @@ class Checkpointed(nn.Module):
         return self.head(x)
 
 
-def test_blocks_under_the_users_checkpoint_compile_in_one_graph_and_train_as_eager_mode():
+def _checkpointed_blocks(fully_shard, mesh, checkpointed: bool, reshard: bool) -> Checkpointed:
+    torch.manual_seed(0)
+    model = Checkpointed(checkpointed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def test_blocks_under_the_users_checkpoint_compile_in_one_graph_with_the_backwards_collectives_without_it():
     """``fullgraph=True`` through a block's gather inside the user's checkpoint: it failed ("HOP:
     Unsafe side effect", the gather sets the group's gathered tensors); now one graph each way
     (aot_eager), and the backward's collectives are those without the checkpoint (world 2): each
     block all-gathered again where it reshards after forward, not at all where it does not (the
-    user's checkpoint recomputed that gather too, 3 all-gathers more than eager mode's backward);
-    and 2 steps give eager shardkit's parameters exactly (world 1)."""
-    def sharded(fully_shard, mesh, checkpointed: bool, reshard: bool) -> Checkpointed:
-        torch.manual_seed(0)
-        model = Checkpointed(checkpointed)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh)
-        return model
-
+    user's checkpoint recomputed that gather too, 3 all-gathers more than eager mode's backward).
+    Eager shardkit's parameters: the next test (slow tier)."""
     for reshard, gathered_again in ((True, 3), (False, 0)):
         backward = {}
         for checkpointed in (False, True):
             recording = Recording()
             with fake_world(2) as mesh:
                 torch._dynamo.reset()
-                torch.compile(sharded(shardkit.compiled.fully_shard, mesh, checkpointed, reshard), fullgraph=True, backend=recording)(torch.randn(4, 8)).sum().backward()
+                torch.compile(_checkpointed_blocks(shardkit.compiled.fully_shard, mesh, checkpointed, reshard), fullgraph=True, backend=recording)(torch.randn(4, 8)).sum().backward()
             assert recording.dynamo_graphs == 1 and len(recording.graphs["backward"]) == 1
             backward[checkpointed] = Counter(kind for kind, _ in recording.collectives("backward"))
         assert backward[True] == backward[False] == Counter(all_gather=gathered_again, reduce_scatter=4), (reshard, backward)
+
+
+def test_blocks_under_the_users_checkpoint_train_to_eager_shardkits_parameters():
+    """The blocks under the user's checkpoint, both reshard_after_forward values: 2 steps
+    compiled (fullgraph, aot_eager) give eager shardkit's parameters exactly (world 1)."""
+    for reshard in (True, False):
         with fake_world(1) as mesh:
             torch._dynamo.reset()
-            eager = trained(model := sharded(shardkit.fully_shard, mesh, True, reshard), model, 2)
-            compiled = trained(model := sharded(shardkit.compiled.fully_shard, mesh, True, reshard), torch.compile(model, fullgraph=True, backend="aot_eager"), 2)
+            eager = trained(model := _checkpointed_blocks(shardkit.fully_shard, mesh, True, reshard), model, 2)
+            compiled = trained(model := _checkpointed_blocks(shardkit.compiled.fully_shard, mesh, True, reshard), torch.compile(model, fullgraph=True, backend="aot_eager"), 2)
         assert all(torch.equal(compiled[n], eager[n]) for n in eager), reshard
 
 
