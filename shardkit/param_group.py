@@ -36,7 +36,9 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -47,7 +49,22 @@ from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam
 from shardkit.optim import local_step
 from shardkit.options import GroupOptions
-from shardkit.tensors import outside_inference_mode
+
+
+def _outside_inference_mode(method: Callable) -> Callable:
+    """``method`` (an unshard step) runs outside ``torch.inference_mode`` when called inside it
+    (with grad off): the unsharded buffers and views it makes or fills outlive the forward, and
+    made inside it they would be inference tensors, which the first training forward could not
+    fill ("Inplace update to inference tensor outside InferenceMode"). FSDP2 fails there."""
+
+    @functools.wraps(method)
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+
+    return outside
 
 
 class Holding(enum.Enum):
@@ -178,7 +195,7 @@ class ParamGroup:
             if part.plan is not None:
                 part.plan.post_forward = None
 
-    @outside_inference_mode
+    @_outside_inference_mode
     def lazy_init(self) -> None:
         for p in self.params:
             p.adopt_registered()
@@ -193,7 +210,7 @@ class ParamGroup:
         self.initialized = True
 
     # Unshard / reshard -------------------------------------------------------------------
-    @outside_inference_mode
+    @_outside_inference_mode
     def issue_unshard(self) -> None:
         """Issue the all-gather and return (``wait_for_unshard`` waits, copies out and
         registers); a no-op if one is issued or the kept data is still fresh."""
@@ -232,7 +249,7 @@ class ParamGroup:
         held = self.holding in (Holding.UNSHARDED, Holding.KEPT) and self._fresh()
         return self.holding is not Holding.GATHERING and not held
 
-    @outside_inference_mode
+    @_outside_inference_mode
     def wait_for_unshard(self) -> None:
         """Finish the issued all-gather and register the unsharded parameters."""
         if self.holding is not Holding.GATHERING:
@@ -248,7 +265,7 @@ class ParamGroup:
         self._drop_post_forward()
         self._reshard(free, "" if free else "(data kept)")
 
-    @outside_inference_mode
+    @_outside_inference_mode
     def reshard_to_post_forward(self) -> None:
         """After forward with ``reshard_after_forward=R``: keep this rank's 1/R of every
         parameter for the backward all-gather among R ranks, free the rest."""

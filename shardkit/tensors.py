@@ -4,28 +4,11 @@ device moves, and the autograd hooks that tell the schedule when gradients arriv
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
-
-
-def outside_inference_mode(method: Callable) -> Callable:
-    """``method`` (an unshard step) runs outside ``torch.inference_mode`` when called inside it
-    (with grad off): the unsharded buffers and views it makes or fills outlive the forward, and
-    made inside it they would be inference tensors, which the first training forward could not
-    fill ("Inplace update to inference tensor outside InferenceMode"). FSDP2 fails there."""
-
-    @functools.wraps(method)
-    def outside(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_inference_mode_enabled():
-            return method(*args, **kwargs)
-        with torch.inference_mode(False), torch.no_grad():
-            return method(*args, **kwargs)
-
-    return outside
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

@@ -220,3 +220,20 @@ def test_default_mesh_is_every_rank_of_the_process_group():
         assert weight.device_mesh.size() == 8 and weight.device_mesh.device_type == "cpu"
         assert weight.to_local().shape == (2, 5)  # 13 rows on 8 ranks: rank 3 holds 2
         assert step(net).summary()["all_gather"].calls == 1
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_first_forward_under_inference_mode_leaves_buffers_training_can_fill(reshard):
+    """The unsharded buffers made at the first unshard outlive its forward: made under
+    ``torch.inference_mode`` they were inference tensors, and the next training forward failed
+    ("Inplace update to inference tensor outside InferenceMode"; FSDP2 2.13 fails there too).
+    The numbers are checked on 2 gloo ranks (tests/gloo/test_lifecycle.py)."""
+    with fake_world(4) as mesh:
+        model = Net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+        with torch.inference_mode():
+            model(torch.randn(2, 5))
+        model(torch.randn(2, 5)).sum().backward()
+        assert all(isinstance(p.grad, DTensor) and not p.grad.is_inference() for p in model.parameters())

@@ -113,7 +113,7 @@ MUTANTS = {
                                                   "a block under the user's torch.utils.checkpoint fails fullgraph=True: the gather's state is a side effect"),
     "compiled-no-keep-all-gather": ("shardkit/compiled/gather.py", "(settings.reshard or torch.compiler.is_compiling())", "settings.reshard",
                                     "a block that keeps its parameters all-gathers them again in backward under the user's checkpoint"),
-    "unshard-inside-inference-mode": ("shardkit/tensors.py", "        if not torch.is_inference_mode_enabled():\n", "        if True:\n",
+    "unshard-inside-inference-mode": ("shardkit/param_group.py", "        if not torch.is_inference_mode_enabled():\n", "        if True:\n",
                                       "a first forward under torch.inference_mode makes the unsharded buffers inference tensors: the training forward after it fails"),
     "compiled-gather-per-module": ("shardkit/compiled/__init__.py", "                if not group.scoped:\n", "                if True:\n",
                                    "a group of several modules (fully_shard([a, b])) all-gathers at each module's forward, not once per forward (killed with --full, and by make fuzz: Spec.paired)"),
