@@ -77,6 +77,7 @@ def pytest_terminal_summary(terminalreporter, config):
             module_s = runs.done[key].seconds
             shown = f"{module_s:7.2f}s" if module_s is not None else "      ?"
             terminalreporter.write_line(f"  {shown} {os.path.relpath(key, config.rootpath)}")
-            for case, case_s in sorted(runs.done[key].case_seconds.items(), key=lambda kv: -kv[1]):
+            done = runs.done[key]
+            for case, case_s in sorted(done.case_seconds.items(), key=lambda kv: -kv[1]):
                 if case_s >= 1.0:  # the cases worth a look
-                    terminalreporter.write_line(f"    {case_s:7.2f}s {case}")
+                    terminalreporter.write_line(f"    {case_s:7.2f}s {case}  ({done.case_cpu.get(case, 0.0):.1f} CPU-s in all ranks)")

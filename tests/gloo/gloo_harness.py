@@ -177,7 +177,7 @@ def _run_plan(out_dir: Path, init_file: str, steps: list[tuple[str, Callable[[],
             checks, cases = None, []
         in_step = True
         for case in cases:
-            case_start = time.monotonic()
+            case_start, case_cpu = time.monotonic(), time.process_time()
             # A fresh process group per check: a collective left unmatched by a failing check
             # cannot pair with the next check's, and only times out on its own group.
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=checks.collective_timeout_s))
@@ -189,6 +189,7 @@ def _run_plan(out_dir: Path, init_file: str, steps: list[tuple[str, Callable[[],
                 module["outcomes"][str(case)] = traceback.format_exc()
             module["seconds"] = time.monotonic() - start
             module.setdefault("case_seconds", {})[str(case)] = time.monotonic() - case_start
+            module.setdefault("case_cpu", {})[str(case)] = time.process_time() - case_cpu
             _write_json(path, report)
             in_step = _ranks_in_step(f"{module_file}::{case}", world)
             if not in_step:
@@ -283,6 +284,7 @@ class Outcomes:
     seconds: float | None = None  # the module's time in the ranks
     error: str | None = None  # why the module did not import in the ranks
     case_seconds: dict[str, float] = field(default_factory=dict)  # each case's time on rank 0
+    case_cpu: dict[str, float] = field(default_factory=dict)  # each case's CPU time, all ranks together
 
     def assert_passed(self, case: Case) -> None:
         problems = []
@@ -377,7 +379,9 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
             sim_before = [a or b for a, b in zip(after, sim_before)]
         seconds = max((m.get("seconds") or 0.0 for m in mine if m), default=None)
         case_seconds = dict(mine[0].get("case_seconds", {})) if mine[0] else {}
-        batch.outcomes[f] = Outcomes(per_rank, tails, timed_out and not done, sim_problems, seconds, error, case_seconds=case_seconds)
+        case_cpu = {case: sum((m or {}).get("case_cpu", {}).get(case, 0.0) for m in mine) for case in case_seconds}
+        batch.outcomes[f] = Outcomes(per_rank, tails, timed_out and not done, sim_problems, seconds, error,
+                                     case_seconds=case_seconds, case_cpu=case_cpu)
         if not done:
             break  # the ranks stopped in this module: the ones after it never ran
     return batch
