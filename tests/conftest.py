@@ -93,9 +93,8 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_fuzz_models.py",  # torch.compile of the fuzzer's models: ~10 s
     "tests/fake/test_compiled_methods.py::test_a_new_setting",  # torch.compile, 4 times
     "tests/fake/test_compiled_methods.py::test_hsdp",
-    "tests/fake/test_compiled_regions.py::test_repeated",  # torch.compile of an 8-block GPT: ~10 s each
+    "tests/fake/test_compiled_regions.py::test_repeated",  # torch.compile of a 4-block GPT, 4 steps, traced
     "tests/fake/test_compiled_regions.py::test_blocks_that_differ",
-    "tests/fake/test_compiled_regions.py::test_the_trace",
     "tests/fake/test_compiled_regions.py::test_peak_memory",
     "tests/fake/test_compiled_regions.py::test_with_inductor",  # inductor: ~8 s
     "tests/fake/test_compiled_regions.py::test_aot_traces",  # torch.compile at two block counts: ~5 s

@@ -61,11 +61,14 @@ def step(model):
     loss.backward()
 
 
-def test_repeated_blocks_compile_once_with_eager_modes_collectives():
+def test_repeated_blocks_compile_once_with_eager_modes_collectives_and_trace():
     """REGIONS_FROM (here 4) blocks of one structure: each block is one call of ONE forward subgraph and
     ONE backward subgraph, which hold the block's all-gather (backward: the all-gather again,
     reshard_after_forward, and the reduce-scatter); the root gathers in the outer graph. The
-    collectives and their bytes are eager shardkit's, and three more steps compile nothing."""
+    collectives and their bytes are eager shardkit's, and three more steps compile nothing.
+    The trace records a region's collectives around its call (the trace op is not inside the
+    region): the same records as eager shardkit, forward's all-gathers and backward's
+    reduce-scatters, each done after it was issued."""
     from tests.fake.test_compiled_graphs import eager_trace
     import tests.fake.test_compiled_graphs as graphs
 
@@ -79,8 +82,12 @@ def test_repeated_blocks_compile_once_with_eager_modes_collectives():
         compiled = torch.compile(model, fullgraph=True, backend=recording)
         step(compiled)
         eager_forward, eager_backward = eager_trace(mesh)
-        for _ in range(3):
+        for _ in range(2):
             step(compiled)
+        with shardkit.trace() as traced:
+            step(compiled)
+        with shardkit.trace() as eager:
+            step(gpt(shardkit.fully_shard, mesh=mesh))
     assert recording.dynamo_graphs == 1 and [len(recording.graphs[k]) for k in ("forward", "backward")] == [1, 1]
     assert not counters["graph_break"], dict(counters["graph_break"])
     forward, backward = recording.graphs["forward"][0], recording.graphs["backward"][0]
@@ -91,6 +98,16 @@ def test_repeated_blocks_compile_once_with_eager_modes_collectives():
     assert Counter(k for k, _ in graph_collectives(getattr(backward, calls(backward)[0]))) == {"all_gather": 1, "reduce_scatter": 1}
     assert Counter(collectives(forward)) == Counter(eager_forward)
     assert Counter(collectives(backward)) == Counter(eager_backward)
+
+    describe = lambda e: (e.kind, e.group, e.dtype, e.numel, e.world, e.mesh_dim)  # noqa: E731
+    recomputed = Counter({describe(e) for e in eager.collectives("all_gather") if e.group != ""})
+    expected = Counter(describe(e) for e in eager.collectives()) - recomputed
+    assert Counter(describe(e) for e in traced.collectives()) == expected
+    assert all(e.done_ns >= e.t for e in traced.collectives())
+    order = [(e.kind, e.group) for e in traced.collectives()]
+    blocks = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
+    assert [g for k, g in order if k == "all_gather" and g != ""] == blocks
+    assert [g for k, g in order if k == "reduce_scatter" and g != ""] == blocks[::-1]
 
 
 @contextlib.contextmanager
@@ -115,47 +132,25 @@ def test_fewer_blocks_than_regions_from_are_traced_inline():
 
 def test_blocks_that_differ_get_a_subgraph_of_their_own():
     """Blocks with another n_head (a plain attribute: the same parameters, other code) are
-    another structure. REGIONS_FROM=2: blocks 0 and 1 edited, each structure has its subgraph
-    (2 calls and 2); block 0 alone edited, it is traced inline and the other 3 share one."""
+    another structure. REGIONS_FROM=2, five blocks: blocks 0 and 1 with 4 heads, block 2 alone
+    with 8, blocks 3 and 4 as made (2): each structure of two blocks has its subgraph (2 calls
+    and 2), and block 2, alone of its structure, is traced inline."""
     region.REGIONS_FROM = 2
-    for edited, uses in ((2, [2, 2]), (1, [3])):
+    heads = [4, 4, 8, 2, 2]
 
-        def edit(model):
-            for block in model.blocks[:edited]:
-                block.attn.n_head = 4
+    def edit(model):
+        for block, n_head in zip(model.blocks, heads):
+            block.attn.n_head = n_head
 
-        with fake_world(WORLD) as mesh:
-            torch._dynamo.reset()
-            recording = Recording()
-            model = gpt(shardkit.compiled.fully_shard, edit=edit, mesh=mesh)
-            assert [b._shardkit_state.region for b in model.blocks[:3]] == [edited == 2] * edited + [True] * (3 - edited)
-            step(torch.compile(model, fullgraph=True, backend=recording))
-        forward = recording.graphs["forward"][0]
-        assert sorted(Counter(calls(forward)).values()) == uses, calls(forward)
-
-
-def test_the_trace_records_a_regions_collectives_as_eager_modes():
-    """A region's collectives are recorded around its call (the trace op is not inside the
-    region): the same records as eager shardkit, forward's all-gathers and backward's
-    reduce-scatters, each done after it was issued."""
     with fake_world(WORLD) as mesh:
         torch._dynamo.reset()
-        model = torch.compile(gpt(shardkit.compiled.fully_shard, mesh=mesh), fullgraph=True, backend=Recording())
-        step(model)
-        with shardkit.trace() as compiled:
-            step(model)
-        eager_model = gpt(shardkit.fully_shard, mesh=mesh)
-        with shardkit.trace() as eager:
-            step(eager_model)
-    describe = lambda e: (e.kind, e.group, e.dtype, e.numel, e.world, e.mesh_dim)  # noqa: E731
-    recomputed = Counter({describe(e) for e in eager.collectives("all_gather") if e.group != ""})
-    expected = Counter(describe(e) for e in eager.collectives()) - recomputed
-    assert Counter(describe(e) for e in compiled.collectives()) == expected
-    assert all(e.done_ns >= e.t for e in compiled.collectives())
-    order = [(e.kind, e.group) for e in compiled.collectives()]
-    blocks = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
-    assert [g for k, g in order if k == "all_gather" and g != ""] == blocks
-    assert [g for k, g in order if k == "reduce_scatter" and g != ""] == blocks[::-1]
+        recording = Recording()
+        model = gpt(shardkit.compiled.fully_shard, config=GPTConfig(**{**vars(CONFIG), "n_layer": len(heads)}), edit=edit, mesh=mesh)
+        assert [b._shardkit_state.region for b in model.blocks] == [True, True, False, True, True]
+        step(torch.compile(model, fullgraph=True, backend=recording))
+    forward = recording.graphs["forward"][0]
+    assert sorted(Counter(calls(forward)).values()) == [2, 2], calls(forward)
+    assert calls(forward)[0] == calls(forward)[1] != calls(forward)[2] == calls(forward)[3], calls(forward)
 
 
 def test_peak_memory_with_regions_is_at_most_eager_shardkits():

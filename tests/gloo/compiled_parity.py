@@ -39,13 +39,14 @@ def assert_same_bits(a: Parity, b: Parity, what: str) -> None:
 
 
 @contextlib.contextmanager
-def regions():
+def regions(regions_from: int = 1):
     """Every block compiled as a nested compile region (region.py; by default only models with
-    REGIONS_FROM blocks of one structure are)."""
+    REGIONS_FROM blocks of one structure are); with ``regions_from=2``, the blocks of a
+    structure that two or more blocks share (``gloo_parity.mixed_gpt``)."""
     import torch._inductor.config
     from shardkit.compiled import region
 
-    before, region.REGIONS_FROM = region.REGIONS_FROM, 1
+    before, region.REGIONS_FROM = region.REGIONS_FROM, regions_from
     config = torch._inductor.config
     reuse, inplace = config.allow_buffer_reuse, config.inplace_buffers  # fully_shard turns them off for regions
     try:

@@ -84,6 +84,16 @@ def small_gpt(n_layer: int = 2) -> GPT:
     return GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, dropout=0.0, tie_weights=True))
 
 
+def mixed_gpt() -> GPT:
+    """``small_gpt`` with three blocks, the first with 4 heads instead of 2 (a plain attribute:
+    the same parameters, other code): under ``compiled_parity.regions(2)`` blocks 1 and 2 share
+    one nested compile region while block 0, alone of its structure, and the root are traced
+    inline, so that one compile runs both of compiled mode's ways of gathering a block."""
+    model = small_gpt(n_layer=3)
+    model.blocks[0].attn.n_head = 4
+    return model
+
+
 def one_block_gpt() -> GPT:
     """``small_gpt`` with one block (a root and one group): for checks of a per-group setting
     that compile on 4 ranks, where each block costs every rank its trace."""
