@@ -81,7 +81,7 @@ class Direct:
         group.reduce_gradients()  # recorded in the schedule's Reducing
         if state.tied.borrower_in(Phase.PRE_BACKWARD):
             reshard = False  # that group's backward may still read the tied weights
-        if reshard and group.options.reshard_after_backward:
+        if reshard and group.options.reshard_after_backward and not self.schedule.creates_graph:
             group.reshard()
         reducing = self.schedule.reducing
         limit = group.options.max_reducing or MAX_REDUCING  # set_reduce_scatter_max_input_buffers
@@ -105,6 +105,9 @@ class Schedule:
         self.orders = Orders()
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
+        # backward(create_graph=True), as for a gradient penalty: the graph it makes reads the
+        # unsharded parameters in the next backward, so this one leaves them unsharded
+        self.creates_graph = False
         self.reducing = Reducing()  # the reductions in flight, of every group: oldest first
         for state in states:
             if state.group is not None:
@@ -181,7 +184,7 @@ class Schedule:
             streams_for(self.device).wait_host_copies()
         for state in self.states:
             self.fire(state, Event.FINALIZE)
-        self.in_backward = False
+        self.in_backward = self.creates_graph = False
         if last:
             self.orders.post_forward.clear()
             for state in self.states:
@@ -191,7 +194,7 @@ class Schedule:
         """After an exception in forward or backward (``reset_iter_state``)."""
         for state in self.states:
             self.fire(state, Event.RESET)
-        self.forward_root, self.in_backward = None, False
+        self.forward_root, self.in_backward, self.creates_graph = None, False, False
         self.orders.seen.clear()
         self.orders.post_forward.clear()
         self.reducing.finish_all(keep=False)  # (drop_step finished each group's: this forgets them)
@@ -271,7 +274,7 @@ class Schedule:
     # Backward actions --------------------------------------------------------------------------
     def queue_finalize(self, state: GroupState, call: None) -> None:
         if not self.in_backward:
-            self.in_backward = True
+            self.in_backward, self.creates_graph = True, torch.is_grad_enabled()
             Variable._execution_engine.queue_callback(self.end_backward)
 
     def unshard_for_backward(self, state: GroupState, call: None) -> None:

@@ -17,7 +17,9 @@ while tracing each read; without compile, all of them run at every call). Only f
 as eager mode's when a rank lacks a gradient): the graph's gradient of such a parameter waits
 for them (``CompiledGroup.pending``), and one that no rank used is dropped (``_after_backward``):
 its ``.grad`` stays as it was, its hooks do not run. A parameter read but not used by the loss
-(its ``.shape`` only) is not watched: it gets the graph's zero gradient.
+(its ``.shape`` only, or a second backward through a ``create_graph=True`` one that does not
+reach it) is not watched: it gets the graph's zero gradient. A read with autograd off (under
+``no_grad`` inside the forward) is no use: read only so, the parameter is watched.
 A weight tied across calls is not watched (the two calls count it apart): it keeps its zero.
 """
 
@@ -47,7 +49,9 @@ class _Read(torch.autograd.Function):
 def reading(group: CompiledGroup, i: int) -> torch.Tensor:
     """Parameter ``i`` as its group's forward reads it (the gathered tensor, marked as read)."""
     param, mark = group.gathered[i], group.marks[i]
-    if not (torch.is_grad_enabled() and mark.requires_grad) or group.extension_mesh is not None:  # (the latter: gathered as bytes, marked by gather._Attach)
+    if not torch.is_grad_enabled():  # (a norm taken under no_grad): no gradient can come of it, so no use
+        return param
+    if not mark.requires_grad or group.extension_mesh is not None:  # (the latter: gathered as bytes, marked by gather._Attach)
         read(group, i)
         return param
     return _read(param, mark, group.uid, i)
@@ -83,7 +87,10 @@ def read(group: CompiledGroup, i: int) -> bool:
 def forward_ends(group: CompiledGroup, module: nn.Module, region_id: int = -1) -> bool:
     """``module``'s forward, one of the group's, has been traced (``region_id``: as the body of
     that region): what it did not read of the parameters under it (a group of several modules
-    runs one forward per module)."""
+    runs one forward per module). A forward without autograd (evaluation under no_grad) gives
+    no gradient: it watches nothing."""
+    if not torch.is_grad_enabled():
+        return True
     under = set(module.modules())
     ran = {i for i, p in enumerate(group.params) if any(slot.module in under for slot in p.slots)}
     unread = ran - group.reads

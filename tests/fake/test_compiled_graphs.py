@@ -332,6 +332,34 @@ def test_only_the_parameters_a_forward_did_not_read_are_checked_after_backward()
         assert list(root.hooked) == [0]  # the presence leaf of the root's one bucket
 
 
+def test_a_forward_without_autograd_watches_nothing_and_reads_under_it_are_no_use():
+    """An evaluation under no_grad (all reads without autograd: no gradient can follow) watches
+    no parameter: watching is for good, and each backward would read the counts back. Inside a
+    training forward, a parameter read only under no_grad (a norm used as a constant) is watched:
+    it gets no gradient, so .grad stays None, as in eager mode (it had the graph's zeros).
+    Run without torch.compile: the same notes, at each call."""
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale = nn.Linear(8, 8), nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            with torch.no_grad():
+                norm = self.scale.norm()
+            return self.lin(x) / norm
+
+    with fake_world(WORLD) as mesh:
+        model = Normed()
+        shardkit.compiled.fully_shard(model, mesh=mesh)
+        group = model._shardkit_state
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+        assert group.unread == set()
+        model(torch.randn(4, 8)).sum().backward()
+        assert {group.params[i].slots[0].name for i in group.unread} == {"scale"}
+
+
 class _Permuted(nn.Module):
     """A block whose forward reads a frozen integer parameter (a permutation of its features)."""
 

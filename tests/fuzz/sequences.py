@@ -471,9 +471,9 @@ class Run:
         if target is not None and args[target] == "head" and "head" not in self.groups:
             args[target] = ""  # a model without the head's group: its root
             cmd = (name, *args)
-        if self.ref_loss is not None and name in ("forward", "step", "zero_grad", "train"):
+        if self.ref_loss is not None and name in ("forward", "penalized_forward", "step", "zero_grad", "train"):
             self.gathers_comparable = False
-        if self.unwaited and name not in ("forward", "evaluate", "train", "unshard", "set"):
+        if self.unwaited and name not in ("forward", "penalized_forward", "evaluate", "train", "unshard", "set"):
             # FSDP2 keeps an unwaited all-gather across a reshard (reshard(), state dicts) for
             # the next unshard to use; shardkit waits for it and frees it (a later unshard
             # gathers fresh data, as the state dict may have changed it).
@@ -505,11 +505,16 @@ class Run:
             # it at this backward. The same numbers; the next forward's all-gathers differ (make
             # fuzz seed 82833, fake tier).
             self.gathers_comparable = False
+        if name == "evaluate" and self.spec.compiled_mode:
+            # After a forward without autograd FSDP2's root keeps its unsharded parameters, and
+            # its next forward gathers nothing for the root; compiled mode gathers at every
+            # forward (make fuzz seed 43347, fake tier: compiled mode, regions, extension).
+            self.gathers_comparable = False
         if name == "set" and args[0] == "reduce_scatter_unused_params" and args[2] and self.spec.unused:
             self.fsdp2_zero_grads = True
         if name == "set" and args[0] == "lockstep" and args[2]:
             self.lockstep = True  # its agreements are collectives of their own: nothing to compare
-        if name in ("forward", "evaluate", "train", "raise_in_forward"):
+        if name in ("forward", "penalized_forward", "evaluate", "train", "raise_in_forward"):
             self.unwaited.clear()
         elif name == "unshard":
             (self.unwaited.add if args[1] == "async_no_wait" else self.unwaited.discard)(args[0])
@@ -522,6 +527,11 @@ class Run:
         if not method(*args, dry=True):
             self.log.append(f"{cmd}: skipped (precondition)")
             return
+        if name == "penalized_forward" and len(self.sides) > 1 and self.sides[1].alive:
+            # FSDP2 (2.13) frees the parameters at the end of the create_graph=True backward,
+            # and the backward through it fails ("setStorage: ... storage of size 0"); shardkit
+            # goes on against the reference alone.
+            self.sides[1].alive, self.sides[1].why_out = False, f"{cmd}: FSDP2 cannot backpropagate through a create_graph=True backward"
         outcomes: dict[str, BaseException | None] = {}
         audits: dict[str, Any] = {}
         for side in self.live_sides():
@@ -576,7 +586,7 @@ class Run:
                 loss = side.eval_loss.clone()
                 dist.all_reduce(loss)
                 self._compare(side, f"{cmd[2]} loss", loss / self.world, self.ref_eval_loss, tol)
-        if cmd[0] == "forward" and self.ref_loss is not None:
+        if cmd[0] in ("forward", "penalized_forward") and self.ref_loss is not None:
             for side in self.live_sides():
                 if side.loss is None:
                     continue
@@ -729,6 +739,29 @@ class Run:
             self.ref_loss = loss_of(self.reference, x, y)
         else:
             self.ref_loss = torch.zeros(())
+        return True
+
+    def do_penalized_forward(self, seed: int, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """A forward whose loss adds a gradient penalty (WGAN-GP's): the squared gradient of the
+        output with respect to the input, taken with ``create_graph=True`` (a first backward),
+        which the next ``backward`` runs through. Each rank's penalty sums over its rows; the
+        reference's, over all rows, is divided by the ranks, as the sharded gradients are
+        averaged. (FSDP2's second backward fails: it freed the parameters the first one's graph
+        reads.)"""
+        if dry:
+            return self.spec.tied == "none"  # a float input to differentiate by
+        if side is None and not reference:
+            self.ref_loss = torch.zeros(())
+            return True
+        x, y = self._batch(seed, local=side is not None)
+        x = x.clone().requires_grad_(True)
+        out = (side.model if side is not None else self.reference)(x)
+        grad_x, = torch.autograd.grad(out.float().sum(), x, create_graph=True)
+        loss = F.mse_loss(out.float().squeeze(-1), y.float()) + grad_x.float().pow(2).sum() / (1 if side is not None else self.world)
+        if side is not None:
+            side.loss = loss
+        else:
+            self.ref_loss = loss
         return True
 
     def do_evaluate(self, seed: int, mode: str, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

@@ -98,6 +98,7 @@ def commands() -> st.SearchStrategy[tuple]:
         st.tuples(st.just("raise_in_forward"), seeds),
         st.just(("to_float64",)),
         st.tuples(st.just("pipeline_microbatches"), seeds, st.integers(1, 2)),
+        st.tuples(st.just("penalized_forward"), seeds),  # a gradient penalty: a create_graph=True backward inside
     )
 
 

@@ -68,17 +68,21 @@ def unused_parameters_keep_none_and_train_like_the_unsharded_model(mesh, impl):
 
 
 class Branch(nn.Module):
-    """Rank 0 runs ``a``, rank 1 runs ``b``; ``c`` runs on none."""
+    """Rank 0 runs ``a``, rank 1 runs ``b``; ``c`` runs on none; ``scale`` is read under
+    ``no_grad`` only (a norm the forward divides by, as a constant)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
         self.out = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         branch = self.a if torch.distributed.get_rank() == 0 else self.b
-        return self.out(torch.tanh(branch(self.inp(x))))
+        with torch.no_grad():
+            norm = self.scale.norm()
+        return self.out(torch.tanh(branch(self.inp(x))) / norm)
 
 
 @checks("shardkit", sim=False)
@@ -86,7 +90,9 @@ def a_parameter_one_rank_used_is_reduced_with_zeros_on_the_other_as_eager_mode(m
     """Each rank runs another branch (its own graph, the same collectives): ``a`` and ``b`` get
     the average of one rank's gradient and the other's zeros on both ranks, ``c`` (no rank)
     keeps None, but for the gradient of a regularizer of its shard in the second step's loss
-    (kept, as eager mode); the same bits as eager shardkit after two AdamW steps."""
+    (kept, as eager mode); ``scale``, read under no_grad only, keeps None (a read with autograd
+    off counted as a use gave it zeros, and AdamW's weight decay moved it); the same bits as
+    eager shardkit after two AdamW steps."""
     runs = {}
     for mode, fully_shard, backend in (("eager", shardkit.fully_shard, None), ("compiled", shardkit.compiled.fully_shard, "aot_eager")):
         torch._dynamo.reset()
@@ -110,6 +116,7 @@ def a_parameter_one_rank_used_is_reduced_with_zeros_on_the_other_as_eager_mode(m
     for step, (got, want) in enumerate(zip(compiled_grads, eager_grads)):
         assert (got["c.weight"] is None) == (want["c.weight"] is None) == (step == 0), f"step {step}: c's gradient"
         assert got["c.bias"] is None and want["c.bias"] is None, f"step {step}: c.bias has a gradient"
+        assert got["scale"] is None and want["scale"] is None, f"step {step}: scale, read under no_grad, has a gradient"
         for name, g in got.items():
             assert (g is None) == (want[name] is None), f"step {step}: {name}: {g} against eager's {want[name]}"
             if g is not None:

@@ -3,7 +3,8 @@ replaced before the first forward, meta-device init with ``load_state_dict(assig
 group whose module is also called on its own (chunked loss), two forwards then one backward
 under activation checkpointing, ``.to(dtype)`` after ``fully_shard``, a module replacing its
 own parameter's data in forward (HF SwitchTransformers' router), zero-size parameters, evaluation
-under ``inference_mode`` or ``no_grad`` before and between steps.
+under ``inference_mode`` or ``no_grad`` before and between steps, a gradient penalty (a backward
+with ``create_graph=True``, then one through it).
 """
 
 
@@ -336,6 +337,47 @@ def evaluation_under_inference_mode_or_no_grad_before_and_between_steps_matches_
                     p.__post_init__()  # the optimizers, made after the first evaluation
                 result = p.step(batch)
                 assert_close(result.loss, result.ref_loss, f"{mode.__name__}, reshard_after_forward={reshard_after_forward}: loss at step {i}")
+            p.assert_params_match()
+
+
+# A gradient penalty: a backward with create_graph=True, then one through it ------------------------
+@checks("shardkit")  # FSDP2 (2.13): the second backward fails, "setStorage: ... out of bounds for storage of size 0"
+def a_gradient_penalty_through_a_create_graph_backward_matches_the_reference(mesh, impl):
+    """WGAN-GP's and R1's penalty: the gradient of the output with respect to the input, taken
+    with create_graph=True, squared into the loss, then one backward through both. The graph
+    that first backward makes reads the unsharded parameters in the second, so it leaves them
+    unsharded; the second reduces and reshards as usual. With the plain loss added, and alone
+    every other step between plain steps (as GAN training alternates), both
+    reshard_after_forward values, 4 AdamW steps: the reference's gradients (None where its are:
+    the penalty does not reach the output's bias) and parameters, and every parameter sharded
+    again after each step's backward."""
+    world = mesh.size()
+    for variant in ("with the loss", "alone"):
+        for reshard_after_forward in (True, False):
+            def shard(m):
+                for block in m.blocks:
+                    FULLY_SHARD[impl](block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                FULLY_SHARD[impl](m, mesh=mesh)
+
+            p = Parity.build(Stack, shard, mesh, impl)
+            what = f"penalty {variant}, reshard_after_forward={reshard_after_forward}"
+            for i, batch in enumerate(stack_batches(4)):
+                penalized = variant == "with the loss" or i % 2 == 0
+                for model, (x, y), share in ((p.model, local(batch, mesh), 1), (p.ref, batch, world)):
+                    x = x.clone().requires_grad_(penalized)
+                    out = model(x)
+                    loss = F.mse_loss(out, y)
+                    if penalized:  # each rank's rows' share of the penalty: the reference's is the sum over all rows
+                        grad_x, = torch.autograd.grad(out.sum(), x, create_graph=True)
+                        penalty = grad_x.pow(2).sum() / share
+                        loss = penalty if variant == "alone" else loss + penalty
+                    loss.backward()
+                assert all(isinstance(q, DTensor) for q in p.model.parameters()), f"{what}: unsharded after step {i}'s backward"
+                try:
+                    p.assert_grads_match()
+                except AssertionError as e:
+                    raise AssertionError(f"{what}, step {i}: {e}") from None
+                p.optimizer_step()
             p.assert_params_match()
 
 
