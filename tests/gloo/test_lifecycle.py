@@ -312,6 +312,16 @@ def a_2d_mesh_without_dim_names_is_hsdp(mesh, impl):
         assert p.model.blocks[0].weight.placements[0].is_replicate(), shape
 
 
+def blocks_then_root(impl: str, mesh, reshard_after_forward: bool):
+    """Shard each of a Stack's blocks with ``reshard_after_forward``, then the root."""
+    def shard(m):
+        for block in m.blocks:
+            FULLY_SHARD[impl](block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        FULLY_SHARD[impl](m, mesh=mesh)
+
+    return shard
+
+
 # Evaluation under inference_mode / no_grad ---------------------------------------------------------
 @checks("shardkit")  # FSDP2: inference_mode first fails the training forward; no_grad gives wrong steps
 def evaluation_under_inference_mode_or_no_grad_before_and_between_steps_matches_the_reference(mesh, impl):
@@ -322,12 +332,7 @@ def evaluation_under_inference_mode_or_no_grad_before_and_between_steps_matches_
     optimizer made then steps those, and training goes on to other numbers with no error."""
     for mode in (torch.inference_mode, torch.no_grad):
         for reshard_after_forward in (True, False):
-            def shard(m):
-                for block in m.blocks:
-                    FULLY_SHARD[impl](block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-                FULLY_SHARD[impl](m, mesh=mesh)
-
-            p = Parity.build(Stack, shard, mesh, impl)
+            p = Parity.build(Stack, blocks_then_root(impl, mesh, reshard_after_forward), mesh, impl)
             probe = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
             for i, batch in enumerate(stack_batches(STEPS)):
                 with mode():
@@ -354,12 +359,7 @@ def a_gradient_penalty_through_a_create_graph_backward_matches_the_reference(mes
     world = mesh.size()
     for variant in ("with the loss", "alone"):
         for reshard_after_forward in (True, False):
-            def shard(m):
-                for block in m.blocks:
-                    FULLY_SHARD[impl](block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-                FULLY_SHARD[impl](m, mesh=mesh)
-
-            p = Parity.build(Stack, shard, mesh, impl)
+            p = Parity.build(Stack, blocks_then_root(impl, mesh, reshard_after_forward), mesh, impl)
             what = f"penalty {variant}, reshard_after_forward={reshard_after_forward}"
             for i, batch in enumerate(stack_batches(4)):
                 penalized = variant == "with the loss" or i % 2 == 0
