@@ -81,8 +81,10 @@ class Direct:
         group.reduce_gradients()  # recorded in the schedule's Reducing
         if state.tied.borrower_in(Phase.PRE_BACKWARD):
             reshard = False  # that group's backward may still read the tied weights
-        if reshard and group.options.reshard_after_backward and not self.schedule.creates_graph:
-            group.reshard()
+        if reshard and group.options.reshard_after_backward:
+            # (after backward(create_graph=True) the graph it made reads the unsharded data in
+            # the next backward: kept, while the module shows its sharded parameters and grads)
+            group.reshard(free=not self.schedule.creates_graph)
         reducing = self.schedule.reducing
         limit = group.options.max_reducing or MAX_REDUCING  # set_reduce_scatter_max_input_buffers
         while len(reducing) > 1:

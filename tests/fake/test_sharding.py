@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardkit
 from shardkit import FSDPModule, fully_shard
 from shardkit.dtensor.placements import chunk_sizes
+from shardkit.param_group import Holding
 from tests.conftest import fake_world
 
 
@@ -243,11 +244,12 @@ def test_a_first_forward_under_inference_mode_leaves_buffers_training_can_fill(r
 def test_a_create_graph_backward_leaves_the_parameters_for_the_backward_through_it(reshard):
     """A gradient penalty: ``autograd.grad(out, x, create_graph=True)`` makes a graph that reads
     the unsharded parameters, and the loss's backward runs through it. That first backward
-    leaves every group unsharded (resharding freed the storage the second
-    backward read: "setStorage ... out of bounds for storage of size 0", as in FSDP2 2.13); the
-    second all-gathers nothing, reduce-scatters once per group and reshards them all. (The first
-    reduces too, as any backward: zeros, with no rank's gradient, so .grad stays None.) The
-    numbers are checked on 2 gloo ranks (tests/gloo/test_lifecycle.py)."""
+    keeps every group's gathered data (freeing it freed the storage the second backward read:
+    "setStorage ... out of bounds for storage of size 0", as in FSDP2 2.13) while the modules
+    show their sharded parameters, as after any backward; the second all-gathers nothing,
+    reduce-scatters once per group and frees them all. (The first reduces too, as any backward:
+    zeros, with no rank's gradient, so .grad stays None.) The numbers are checked on 2 gloo
+    ranks (tests/gloo/test_lifecycle.py)."""
     with fake_world(4) as mesh:
         model = Net()
         for block in model.blocks:
@@ -255,12 +257,13 @@ def test_a_create_graph_backward_leaves_the_parameters_for_the_backward_through_
         fully_shard(model, mesh=mesh)
         x = torch.randn(2, 5, requires_grad=True)
         out = model(x)
-        sharded = list(model.parameters())
         grad_x, = torch.autograd.grad(out.sum(), x, create_graph=True)
-        assert not any(isinstance(p, DTensor) for p in model.parameters())  # unsharded, for the next backward
-        assert all(p.grad is None for p in sharded)  # (each group reduce-scattered zeros: no rank had a gradient)
+        assert all(isinstance(p, DTensor) and p.grad is None for p in model.parameters())  # (zeros reduced: no rank had a gradient)
+        groups = [m._shardkit_state.group for m in (model, *model.blocks)]
+        assert {g.holding for g in groups} == {Holding.KEPT}  # the gathered data, for the next backward
         with shardkit.trace() as second:
             (grad_x.pow(2).sum() + out.sum()).backward()
         assert not second.collectives("all_gather")
         assert sorted(e.group for e in second.collectives("reduce_scatter")) == ["", "blocks.0", "blocks.1", "blocks.2"]
         assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in model.parameters())
+        assert {g.holding for g in groups} == {Holding.SHARDED}

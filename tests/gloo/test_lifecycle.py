@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardkit
 from gloo_harness import Checks, run_worker
-from gloo_parity import FULLY_SHARD, Parity, Stack, assert_close, full, local, stack_batches
+from gloo_parity import FULLY_SHARD, Parity, Stack, assert_close, full, local, mean_over_ranks, stack_batches
 
 checks = Checks()
 STEPS = 3
@@ -355,8 +355,21 @@ def a_gradient_penalty_through_a_create_graph_backward_matches_the_reference(mes
     every other step between plain steps (as GAN training alternates), both
     reshard_after_forward values, 4 AdamW steps: the reference's gradients (None where its are:
     the penalty does not reach the output's bias) and parameters, and every parameter sharded
-    again after each step's backward."""
+    again after each step's backward. And loss.backward(create_graph=True) with no backward
+    through it: the parameters it left unsharded are not used stale after the optimizer step
+    (the next forward's loss is the reference's)."""
     world = mesh.size()
+    for reshard_after_forward in (True, False):
+        p = Parity.build(Stack, blocks_then_root(impl, mesh, reshard_after_forward), mesh, impl)
+        for i, batch in enumerate(stack_batches(3)):
+            losses = []
+            for model, (x, y) in ((p.model, local(batch, mesh)), (p.ref, batch)):
+                losses.append(F.mse_loss(model(x), y))
+                losses[-1].backward(create_graph=True)
+            assert_close(mean_over_ranks(losses[0], mesh), losses[1].detach(), f"nothing through create_graph, reshard_after_forward={reshard_after_forward}: loss at step {i}")
+            p.assert_grads_match()
+            p.optimizer_step()
+        p.assert_params_match()
     for variant in ("with the loss", "alone"):
         for reshard_after_forward in (True, False):
             p = Parity.build(Stack, blocks_then_root(impl, mesh, reshard_after_forward), mesh, impl)
