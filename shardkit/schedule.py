@@ -108,7 +108,7 @@ class Schedule:
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
         # backward(create_graph=True), as for a gradient penalty: the graph it makes reads the
-        # unsharded parameters in the next backward, so this one leaves them unsharded
+        # unsharded parameters in the next backward, so this one keeps their gathered data
         self.creates_graph = False
         self.reducing = Reducing()  # the reductions in flight, of every group: oldest first
         for state in states:
