@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.dtype_audit import Audit
 
 DIM, VOCAB, BATCH, SEQ = 8, 16, 4, 3
+FORWARDS = ("forward", "penalized_forward")  # the calls that leave a loss for ``backward``
 TARGETS = ("", "blocks.0", "blocks.1", "head")  # the root and two groups every model has; the head's where it has one (else the root)
 UNSHARD_HOWS = ("sync", "async_wait", "async_wait_twice", "async_no_wait")
 LR = 1e-2
@@ -121,7 +122,10 @@ class Net(nn.Module):
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    out = model(x)
+    return output_loss(model, model(x), y)
+
+
+def output_loss(model: nn.Module, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if model.tied:
         return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
     return F.mse_loss(out.float().squeeze(-1), y.float())
@@ -471,9 +475,9 @@ class Run:
         if target is not None and args[target] == "head" and "head" not in self.groups:
             args[target] = ""  # a model without the head's group: its root
             cmd = (name, *args)
-        if self.ref_loss is not None and name in ("forward", "penalized_forward", "step", "zero_grad", "train"):
+        if self.ref_loss is not None and name in (*FORWARDS, "step", "zero_grad", "train"):
             self.gathers_comparable = False
-        if self.unwaited and name not in ("forward", "penalized_forward", "evaluate", "train", "unshard", "set"):
+        if self.unwaited and name not in (*FORWARDS, "evaluate", "train", "unshard", "set"):
             # FSDP2 keeps an unwaited all-gather across a reshard (reshard(), state dicts) for
             # the next unshard to use; shardkit waits for it and frees it (a later unshard
             # gathers fresh data, as the state dict may have changed it).
@@ -514,7 +518,7 @@ class Run:
             self.fsdp2_zero_grads = True
         if name == "set" and args[0] == "lockstep" and args[2]:
             self.lockstep = True  # its agreements are collectives of their own: nothing to compare
-        if name in ("forward", "penalized_forward", "evaluate", "train", "raise_in_forward"):
+        if name in (*FORWARDS, "evaluate", "train", "raise_in_forward"):
             self.unwaited.clear()
         elif name == "unshard":
             (self.unwaited.add if args[1] == "async_no_wait" else self.unwaited.discard)(args[0])
@@ -586,7 +590,7 @@ class Run:
                 loss = side.eval_loss.clone()
                 dist.all_reduce(loss)
                 self._compare(side, f"{cmd[2]} loss", loss / self.world, self.ref_eval_loss, tol)
-        if cmd[0] in ("forward", "penalized_forward") and self.ref_loss is not None:
+        if cmd[0] in FORWARDS and self.ref_loss is not None:
             for side in self.live_sides():
                 if side.loss is None:
                     continue
@@ -754,10 +758,10 @@ class Run:
             self.ref_loss = torch.zeros(())
             return True
         x, y = self._batch(seed, local=side is not None)
-        x = x.clone().requires_grad_(True)
-        out = (side.model if side is not None else self.reference)(x)
+        x, model = x.clone().requires_grad_(True), side.model if side is not None else self.reference
+        out = model(x)
         grad_x, = torch.autograd.grad(out.float().sum(), x, create_graph=True)
-        loss = F.mse_loss(out.float().squeeze(-1), y.float()) + grad_x.float().pow(2).sum() / (1 if side is not None else self.world)
+        loss = output_loss(model, out, y) + grad_x.float().pow(2).sum() / (1 if side is not None else self.world)
         if side is not None:
             side.loss = loss
         else:
