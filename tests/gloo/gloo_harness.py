@@ -268,8 +268,14 @@ def _rank_entry(target: Callable, args: tuple, env: dict[str, str], log: str | N
 
 
 def log_tail(log: Path, chars: int) -> str:
-    """The last ``chars`` characters a rank wrote to ``log`` (none: it never started)."""
-    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+    """The last ``chars`` characters a rank wrote to ``log`` (none: it never started), without
+    the list of extension modules that faulthandler ends a crash's report with (one line that
+    names every module loaded, inductor's compiled kernels too: it filled the tail and hid the
+    stacks above it)."""
+    if not log.exists():
+        return ""
+    text = re.sub(r"\nExtension modules: [^\n]*", "\n(extension modules left out)", log.read_text(errors="replace"))
+    return text[-chars:]
 
 
 @dataclass
@@ -361,7 +367,7 @@ def spawn_batch(modules: dict[str, list[str] | None], world: int, tmp: Path, tim
     procs = [start_rank(_main, (tmp, str(tmp / "init_file")), {**env, "RANK": str(rank)}, log) for rank, log in enumerate(logs)]
     timed_out = _wait(procs, tmp / "rank0.json", timeout_s)
     batch = Batch(dict(zip(files, modules.values())), world, wall_s=time.monotonic() - start)
-    tails = [log_tail(log, 3000) for log in logs]
+    tails = [log_tail(log, 8000) for log in logs]
     reports = []
     for rank in range(world):
         path = tmp / f"rank{rank}.json"
