@@ -5,7 +5,8 @@
 The same calls (``fully_shard`` on each block, then on the root) and the same sharded
 parameters: each is an ``nn.Parameter`` holding the same DTensor as in eager mode, so the
 optimizer, ``state_dict()`` and ``shardkit.checkpoint`` files are the eager mode's. What differs
-is how the parameters are gathered: no hooks and no schedule. A group's forward runs
+is how the parameters are gathered: no schedule, and no hooks (but one before a module's own
+forward pre-hooks, which read the parameters gathered as in FSDP2). A group's forward runs
 ``gather`` (gather.py): the group's shards, cast to ``param_dtype``, laid end to end and
 all-gathered in ONE functional collective, whose autograd backward is ONE reduce-scatter of
 the gradients in ``reduce_dtype`` (HSDP: then an all-reduce over the replicas), divided as
@@ -67,6 +68,7 @@ all-gather themselves, an int ``reshard_after_forward`` and tensor parallel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch._dynamo
@@ -259,8 +261,11 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
         if m in group.modules:
             namespace["forward"] = gathering(group, type(m).forward)
             namespace["_shardkit_plain_forward"] = type(m).forward  # what a region runs (region.py)
+            namespace["register_forward_pre_hook"] = _registering_pre_hooks(group, type(m))
         mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
         m.__class__ = api.subclass(type(m), namespace, mixin)
+        if m in group.modules and m._forward_pre_hooks:
+            _gather_before_pre_hooks(group, m)
 
 
 def _gatherer(group: CompiledGroup, module: nn.Module) -> int:
@@ -280,6 +285,48 @@ def _param_property(group: CompiledGroup, name: str, i: int) -> property:
     return property(get)
 
 
+def _begin(group: CompiledGroup, module: nn.Module) -> None:
+    unused.forward_begins(group)
+    if group.gathered is None:  # (else kept by an earlier module of a spanning group, in this forward of its parent)
+        group.gathered, group.marks = gather(group, _gatherer(group, module))
+
+
+def _registering_pre_hooks(group: CompiledGroup, base: type) -> Any:
+    """``register_forward_pre_hook`` of one of the group's modules: the group gathers before
+    the module's pre-hooks, whenever they were registered (``prepend`` too)."""
+
+    def register_forward_pre_hook(self: nn.Module, hook: Any, *, prepend: bool = False, with_kwargs: bool = False) -> Any:
+        handle = base.register_forward_pre_hook(self, hook, prepend=prepend, with_kwargs=with_kwargs)
+        _gather_before_pre_hooks(group, self)
+        return handle
+
+    return register_forward_pre_hook
+
+
+def _gather_before_pre_hooks(group: CompiledGroup, module: nn.Module) -> None:
+    """FSDP2 unshards a module's parameters in a forward pre-hook registered first, so the
+    module's own pre-hooks read them unsharded: the hook-based ``nn.utils.spectral_norm`` and
+    ``weight_norm`` compute the weight there from ``weight_orig`` or ``weight_g``/``weight_v``.
+    Compiled mode gathers inside forward, after the hooks; a module of the group with forward
+    pre-hooks gets one more, first of all, that gathers (and casts the inputs) instead. Modules
+    without pre-hooks get none (a hook costs dynamo's trace and each eager call some time)."""
+    old = module.__dict__.pop("_shardkit_pre_hook", None)
+    if old is not None:
+        old.remove()
+    hook = functools.partial(_gather_early, group)
+    module.__dict__["_shardkit_pre_hook"] = nn.Module.register_forward_pre_hook(module, hook, prepend=True, with_kwargs=True)
+
+
+def _gather_early(group: CompiledGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if group.running:  # re-entry, as in gathering_forward
+        return None
+    if not group.scoped:
+        group.gathered, group.marks = None, []  # (left by a call whose later pre-hook raised: stale)
+    _begin(group, module)
+    group.begun = True  # gathering_forward: gathered, and not as a region
+    return cast_inputs(group.mp_policy, args, kwargs)
+
+
 def gathering(group: CompiledGroup, forward: Any) -> Any:
     """``forward`` (or a method given to ``register_fsdp_forward_method``) with the group's
     parameters gathered while it runs."""
@@ -288,12 +335,14 @@ def gathering(group: CompiledGroup, forward: Any) -> Any:
         args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
         if group.running:  # re-entry: another module of the group, called inside this one
             output = forward(self, *args, **kwargs)
-        elif group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs) and region.allowed_here():
+        elif (not group.begun and group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs)
+              and region.allowed_here()):
             output = region.run(group, self, args, kwargs)
         else:
-            unused.forward_begins(group)
-            if group.gathered is None:  # (else kept by an earlier module of a spanning group, in this forward of its parent)
-                group.gathered, group.marks = gather(group, _gatherer(group, self))
+            if group.begun:  # gathered before the module's forward pre-hooks
+                group.begun = False
+            else:
+                _begin(group, self)
             group.running = True
             for child in group.spanning:
                 child.scoped = True

@@ -146,6 +146,7 @@ class CompiledGroup:
         # from the first of them to the last: one all-gather per forward, not one per module
         self.spanning: list[CompiledGroup] = []  # such groups directly inside this one
         self.scoped = False
+        self.begun = False  # gathered by the pre-hook before a module's own forward pre-hooks (compiled/__init__.py)
         self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
         # what the graph's calls name the group by (by_uid); a string: an int that differs between two
         # models' groups would turn symbolic when dynamo compiles the second (automatic dynamic)

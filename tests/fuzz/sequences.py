@@ -364,6 +364,7 @@ class Side:
     clip_norm: torch.Tensor | None = None  # what the last clip_grad_norm_ returned
     witness_only: bool = False  # FSDP2 with the tied weight in one group: vouches for bf16 math only (Run)
     hook_calls: Counter = field(default_factory=Counter)  # post-accumulate-grad hook calls per parameter, since the last check
+    pre_hook_reads: list = field(default_factory=list)  # (block, the lin.weight its forward pre-hook read), since the last check
 
 
 class Failure(AssertionError):
@@ -580,6 +581,7 @@ class Run:
         if self.compare_collectives:
             self._check_collectives(cmd)
         self._check_grad_hooks(cmd)
+        self._check_pre_hooks(cmd)
         if not self.numerics:
             return
         if cmd[0] == "step":
@@ -685,6 +687,20 @@ class Run:
             return
         if calls[0] != calls[1]:
             raise Failure(f"{cmd}: post-accumulate-grad hook calls {dict(calls[0])}, FSDP2's {dict(calls[1])}")
+
+    def _check_pre_hooks(self, cmd: tuple) -> None:
+        """What each forward pre-hook of ``do_pre_hook`` read: the whole weight, not its shard
+        (both tiers), and in the numerics tier the reference's values (in the side's dtype)."""
+        for side in self.sides:
+            reads = list(side.pre_hook_reads)
+            side.pre_hook_reads.clear()  # (the hooks hold this list)
+            for target, weight in reads if side.alive else ():
+                want = self.reference.get_submodule(target).lin.weight.detach()
+                if isinstance(weight, DTensor) or weight.shape != want.shape:
+                    read = "a sharded DTensor" if isinstance(weight, DTensor) else f"a tensor of shape {tuple(weight.shape)}"
+                    self._fail_or_drop(side, f"{cmd}: the forward pre-hook of {target} read {read}, not the whole weight {tuple(want.shape)}")
+                elif self.numerics:
+                    self._compare(side, f"{cmd}: {target}.lin.weight in its forward pre-hook", weight, want.to(weight.dtype), self.tolerance())
 
     def _compare_with_fsdp2(self, cmd: tuple) -> None:
         if len(self.live_sides()) < 2 or self.sides[1].witness_only:
@@ -916,6 +932,20 @@ class Run:
             handle.wait()
         if how == "async_wait_twice":
             handle.wait()
+        return True
+
+    def do_pre_hook(self, target: str, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """A forward pre-hook on block ``target`` (once per block) that reads its ``lin.weight``,
+        as the hook-based ``spectral_norm`` and ``weight_norm`` read theirs: FSDP2 unshards
+        before a module's own pre-hooks, so each forward's hook sees the whole weight."""
+        if dry:
+            return target.startswith("blocks.")
+        if side is None:
+            return True
+        block = side.model.get_submodule(target)
+        if not getattr(block, "_fuzz_pre_hooked", False):
+            block.register_forward_pre_hook(lambda m, args, reads=side.pre_hook_reads: reads.append((target, m.lin.weight.detach().clone())))
+            block._fuzz_pre_hooked = True
         return True
 
     def do_reshard(self, target: str, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

@@ -83,6 +83,7 @@ def _training_calls() -> list[st.SearchStrategy[tuple]]:
 
 STATE_CALLS = [st.just(("state_dict_roundtrip",)), st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0]))]
 CLIP = st.tuples(st.just("clip"), st.sampled_from([0.01, 1000.0]))  # clips every gradient / none
+PRE_HOOK = st.tuples(st.just("pre_hook"), targets)  # a block's forward pre-hook reads its weight (the blocks only)
 
 
 def commands() -> st.SearchStrategy[tuple]:
@@ -99,6 +100,7 @@ def commands() -> st.SearchStrategy[tuple]:
         st.just(("to_float64",)),
         st.tuples(st.just("pipeline_microbatches"), seeds, st.integers(1, 2)),
         st.tuples(st.just("penalized_forward"), seeds),  # a gradient penalty: a create_graph=True backward inside
+        PRE_HOOK,
     )
 
 
@@ -117,7 +119,7 @@ def compiled_commands() -> st.SearchStrategy[tuple]:
     """The calls compiled mode takes: its FSDPModule settings (``COMPILED_KNOBS``), unshard and
     reshard (which do nothing there: the graph gathers), no reset_iter_state."""
     knobs = [st.tuples(st.just("set"), st.just(knob), targets, values) for knob, values in COMPILED_KNOBS.items()]
-    return st.one_of(*_training_calls(), *STATE_CALLS, CLIP, st.just(("to_float64",)), *knobs,
+    return st.one_of(*_training_calls(), *STATE_CALLS, CLIP, PRE_HOOK, st.just(("to_float64",)), *knobs,
                      st.tuples(st.just("unshard"), targets, st.sampled_from(UNSHARD_HOWS)), st.tuples(st.just("reshard"), targets))
 
 

@@ -149,6 +149,53 @@ def transformers_models_compile_as_one_graph_and_train_like_the_unsharded_model(
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (name, dict(counters["stats"]), dict(counters["graph_break"]))
 
 
+@checks("shardkit", sim=False)
+def hook_based_spectral_and_weight_norm_train_as_fsdp2(mesh, impl):
+    """``nn.utils.spectral_norm`` and ``nn.utils.weight_norm`` (the hook-based forms, still in
+    GAN and vocoder code) compute the weight in a forward pre-hook, from the parameters: each
+    normed layer sharded as a group, then the root, compiled whole (fullgraph, aot_eager), 3 SGD
+    steps on each rank's half of the batch give FSDP2's losses and parameters bit for bit (and
+    the unsharded model's).
+    (Compiled mode gathered after the hooks and failed with "got mixed torch.Tensor and DTensor".)"""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit.compiled
+    from gloo_parity import full, local, mean_over_ranks
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh(), torch.nn.utils.weight_norm(torch.nn.Linear(8, 4)))
+    sides = {}
+    for side, fully_shard in (("fsdp2", torch_fully_shard), ("compiled", shardkit.compiled.fully_shard)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh(), torch.nn.utils.weight_norm(torch.nn.Linear(8, 4)))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if side == "compiled" else model
+        sides[side] = (model, run, torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    for step in range(3):
+        batch = torch.randn(4, 8)
+        whole = ref(batch).pow(2).mean()
+        whole.backward()
+        losses = {}
+        for side, (model, run, opt) in sides.items():
+            loss = run(*local((batch,), mesh)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[side] = mean_over_ranks(loss, mesh)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.equal(losses["compiled"], losses["fsdp2"]), (step, losses)
+        torch.testing.assert_close(losses["fsdp2"], whole.detach(), rtol=1e-5, atol=1e-6)
+    params = {side: {n: full(p) for n, p in model.named_parameters()} for side, (model, _, _) in sides.items()}
+    assert all(torch.equal(params["compiled"][n], p) for n, p in params["fsdp2"].items()), params
+    for n, p in ref.named_parameters():  # the unsharded model's, on the whole batch
+        torch.testing.assert_close(params["fsdp2"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("case", checks.cases(), ids=str)
 def test_compiled_mode_on_two_ranks(gloo_outcomes, case):
     gloo_outcomes.assert_passed(case)
