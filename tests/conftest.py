@@ -99,6 +99,7 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_regions.py::test_with_inductor",  # inductor: ~8 s
     "tests/fake/test_compiled_regions.py::test_aot_traces",  # torch.compile at two block counts: ~5 s
     "tests/fake/test_compiled_regions.py::test_blocks_called_with_keyword",  # torch.compile, twice
+    "tests/fake/test_compiled_regions.py::test_a_batch_of_another_length",  # torch.compile, twice: ~6 s
     "tests/fake/test_compiled_methods.py::test_not_resharding",  # torch.compile, twice
     "tests/fake/test_compiled_extensions.py::test_float8",  # torch.compile of a float8 model
     "tests/fake/test_compiled_post_forward.py::test_forward",  # torch.compile of the GPT, twice

@@ -243,11 +243,23 @@ def allowed_here() -> bool:
     ``torch.compile``'s default a block that breaks the graph (an ``.item()`` branch) failed the
     compile; there the blocks run inline and break as they would unsharded. True outside a
     trace (compiled mode run without torch.compile). Runs while dynamo traces (``tls.current_tx``:
-    dynamo's own record of the frame it traces)."""
+    dynamo's own record of the frame it traces).
+
+    Nor a frame compiled with dynamic shapes (a batch of another sequence length makes dynamo
+    compile again with a symbolic length): the region's key (``_key``) describes its inputs'
+    sizes to ``_region_id``, a constant to dynamo, which cannot take a symbolic one, and the
+    compile failed ("reuse_hash_fn must be fully traceable", before 2026-12-05). Inside the
+    trace a symbolic size passes for an int (``isinstance(d, torch.SymInt)`` is False there),
+    so the frame's shape environment is asked whether it holds any symbol."""
     from torch._dynamo import symbolic_convert
 
     tx = getattr(symbolic_convert.tls, "current_tx", None)
-    return tx is None or bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    if tx is None:
+        return True
+    shape_env = getattr(tx.output, "shape_env", None)
+    symbols = getattr(shape_env, "backed_var_to_val", None)  # torch 2.13; var_to_val before
+    dynamic = bool(symbols if symbols is not None else getattr(shape_env, "var_to_val", None))
+    return not dynamic and bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
 
 
 def run(group: CompiledGroup, module: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -376,3 +376,28 @@ def test_the_region_key_tells_apart_keyword_arguments():
         assert len({base, *others}) == 1 + len(others)
         assert region.callable_with((x,), {"scale": 0.5, "pair": (x, None), "opts": {"a": 1}})
         assert not region.callable_with((x,), {"cache": _Cache()}) and not region.callable_with((_Cache(),), {})
+
+
+def test_a_batch_of_another_length_compiles_again_with_the_blocks_inline():
+    """A second sequence length makes dynamo compile the model again with a symbolic length
+    (automatic dynamic shapes). A region's key is a constant that cannot hold a symbolic size
+    (region.allowed_here): that graph runs the blocks inline. Before, the compile failed
+    ("reuse_hash_fn must be fully traceable"). World 1: each step's gradients equal eager
+    shardkit's bit for bit; lengths 16, 8, 12 give two graphs, regions in the first only."""
+    region.REGIONS_FROM = 2
+    few = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=65)
+    with fake_world(1) as mesh:
+        eager = gpt(shardkit.fully_shard, config=few, mesh=mesh)
+        torch._dynamo.reset()
+        recording = Recording()
+        model = gpt(shardkit.compiled.fully_shard, config=few, mesh=mesh)
+        compiled = torch.compile(model, fullgraph=True, backend=recording)
+        for length in (16, 8, 12):
+            x = torch.randint(0, few.vocab_size, (2, length), generator=torch.Generator().manual_seed(length))
+            for m in (eager, compiled):
+                m(x, x)[1].backward()
+            for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+                assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), (length, name)
+                a.grad, b.grad = None, None
+    assert recording.dynamo_graphs == 2
+    assert [len(calls(gm)) for gm in recording.graphs["forward"]] == [2, 0]

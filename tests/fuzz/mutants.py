@@ -132,6 +132,8 @@ MUTANTS = {
     "compiled-pre-hooks-registered-later-unseen": ("shardkit/compiled/__init__.py",
                                                    '            namespace["register_forward_pre_hook"] = _registering_pre_hooks(group, type(m))\n', "",
                                                    "a forward pre-hook registered after compiled fully_shard reads the sharded parameters"),
+    "compiled-regions-under-dynamic-shapes": ("shardkit/compiled/region.py", "    return not dynamic and bool(", "    return bool(",
+                                              "blocks run as regions in a graph with a symbolic length: a second sequence length fails the compile"),
     "param-mesh-divisor": ("shardkit/param_group.py", "options.gradient_divide_factor or part.mesh.size()", "options.gradient_divide_factor or self.parts[0].mesh.size()",
                            "a parameter on a mesh of its own is divided by the first mesh's size"),
     "muon-owner-sends-its-own-rows": ("shardkit/optim/owners.py", "parts.extend(take(result, bucket.pieces[j][r]).reshape(-1) for j, result in results)",
