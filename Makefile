@@ -67,8 +67,10 @@ test-fast: $(STAMP)
 # accesses checked and no race ("sim streams: N accesses checked, ..."). Three lanes at once
 # (gloo ranks wait on each other and on start-up, and one lane alone leaves a core idle; the
 # cores are busy with three, a fourth lane made it slower): the tests that are none of the
-# others' (unit, fake process group with the compiled mode's, fuzzer, planner, checkpoints); the
-# gloo modules; test-sim. Their output after the first's. Then, alone, the torchrun ones
+# others' (unit, fake process group with the compiled mode's, fuzzer, planner); the gloo
+# modules, then tests/checkpoint (processes of their own: there they end the two lanes at about
+# the same time, where the first lane ended a minute after the second); test-sim. Their output
+# after the first's. Then, alone, the torchrun ones
 # (tests/examples, the pipelining check: up to 8 ranks on the 2 cores, bound by how soon each
 # rank's peer is scheduled): 60 s alone, about 180 s beside the lanes. Not rerun under sim:
 # the 4-rank gloo modules (what they add, HSDP 2x2 and 4-rank meshes, the fake-PG tier checks
@@ -80,8 +82,8 @@ COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compile
 	tests/fake/test_compiled_extensions.py tests/fake/test_grad_hooks.py tests/fake/test_compiled_fuzz_models.py \
 	tests/fake/test_compiled_forward_hooks.py
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py
-GLOO_LANE = tests/gloo $(SIDE_LANE_TESTS:%=--ignore=%)
-MAIN_LANE = tests --ignore=tests/gloo $(SIDE_LANE_TESTS:%=--ignore=%)
+GLOO_LANE = tests/gloo tests/checkpoint $(SIDE_LANE_TESTS:%=--ignore=%)
+MAIN_LANE = tests --ignore=tests/gloo --ignore=tests/checkpoint $(SIDE_LANE_TESTS:%=--ignore=%)
 SIM_TESTS = tests/fake tests/gloo/test_training_parity.py tests/gloo/test_composition.py \
 	tests/gloo/test_mixed_precision_numerics.py tests/gloo/test_sharded_params.py \
 	tests/gloo/test_checkpoint.py tests/gloo/test_extensions.py tests/gloo/test_moe_and_spmd.py tests/gloo/test_muon.py
