@@ -443,6 +443,20 @@ def _norm_and_head(fully_shard, mesh, head_outside: bool = False, **kwargs) -> _
     return model
 
 
+def test_a_group_of_several_modules_run_eagerly_gathers_once_per_forward():
+    """The pair ``fully_shard([norm, head])`` in compiled mode run without torch.compile (the
+    quick tier's check; the next test compiles four models): one all-gather for the pair per
+    forward, as eager shardkit (the blocks' two, then the pair's), not one per module."""
+    with fake_world(2) as mesh:
+        gathers = []
+        for fully_shard in (shardkit.fully_shard, shardkit.compiled.fully_shard):
+            model = _norm_and_head(fully_shard, mesh)
+            with shardkit.trace() as t:
+                model(torch.randn(4, 8, requires_grad=True))
+            gathers.append([e.nbytes for e in t.collectives() if e.kind == "all_gather"])
+    assert len(gathers[0]) == 3 and gathers[1] == gathers[0], gathers
+
+
 def test_a_group_of_several_modules_gathers_once_per_forward_as_eager_mode():
     """``fully_shard([norm, head])`` under ``torch.compile`` failed in AOTAutograd's partitioner
     ("failed to partition the joint forward-backward graph") whenever the group reshards after

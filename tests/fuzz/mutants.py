@@ -116,7 +116,7 @@ MUTANTS = {
     "unshard-inside-inference-mode": ("shardkit/param_group.py", "        if not torch.is_inference_mode_enabled():\n", "        if True:\n",
                                       "a first forward under torch.inference_mode makes the unsharded buffers inference tensors: the training forward after it fails"),
     "compiled-gather-per-module": ("shardkit/compiled/__init__.py", "                if not group.scoped:\n", "                if True:\n",
-                                   "a group of several modules (fully_shard([a, b])) all-gathers at each module's forward, not once per forward (killed with --full, and by make fuzz: Spec.paired)"),
+                                   "a group of several modules (fully_shard([a, b])) all-gathers at each module's forward, not once per forward (test-fast: the pair run eagerly; make fuzz: Spec.paired)"),
     "create-graph-backward-reshards": ("shardkit/schedule.py", "group.reshard(free=not self.schedule.creates_graph)",
                                        "group.reshard(free=True)",
                                        "a backward with create_graph=True (a gradient penalty) frees the unsharded parameters the backward through it reads"),
