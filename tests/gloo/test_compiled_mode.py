@@ -162,12 +162,14 @@ def hook_based_spectral_and_weight_norm_train_as_fsdp2(mesh, impl):
     import shardkit.compiled
     from gloo_parity import full, local, mean_over_ranks
 
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh(), torch.nn.utils.weight_norm(torch.nn.Linear(8, 4)))
+    def normed() -> torch.nn.Sequential:  # (built anew each time: a hook-based weight_norm cannot be deep-copied)
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh(), torch.nn.utils.weight_norm(torch.nn.Linear(8, 4)))
+
+    ref = normed()
     sides = {}
     for side, fully_shard in (("fsdp2", torch_fully_shard), ("compiled", shardkit.compiled.fully_shard)):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh(), torch.nn.utils.weight_norm(torch.nn.Linear(8, 4)))
+        model = normed()
         fully_shard(model[0], mesh=mesh)
         fully_shard(model[2], mesh=mesh)
         fully_shard(model, mesh=mesh)
