@@ -81,16 +81,17 @@ def spmd_mesh(mesh: DeviceMesh, dims: Any) -> Spmd:
     for name in shard + replicate:
         if name not in mesh.mesh_dim_names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
-    if not shard:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dims}: shardkit shards over at least one dim; pure replication (FSDP2's "
-            "DDP mode, replicate only) is not supported. Name the dim to shard over in shard=."
-        )
 
     def flat(names: tuple[str, ...]) -> DeviceMesh:
         return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
-    dp = flat(shard) if not replicate else DeviceMesh._concatenate([flat(replicate), flat(shard)])
+    if not shard:  # replicate only (FSDP2's DDP mode): HSDP over a shard dim of one rank
+        name = "_".join(replicate)
+        dp = flat(replicate)._unflatten(0, (flat(replicate).size(), 1), (name, f"{name}_unsharded"))
+    elif not replicate:
+        dp = flat(shard)
+    else:
+        dp = DeviceMesh._concatenate([flat(replicate), flat(shard)])
     index = mesh.mesh_dim_names.index
     return Spmd(mesh, tuple(map(index, shard)), tuple(map(index, replicate)), dp)
 

@@ -106,6 +106,11 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_post_forward.py::test_hsdp",
     "tests/fake/test_compiled_post_forward.py::test_peak_memory",
     "tests/fake/test_compiled_post_forward.py::test_set_reshard",
+    # HSDP x TP beside FSDP2: the knobs and policies (the plain, sequence-parallel, bf16, uneven and 4-D cases stay quick)
+    "tests/fake/test_hsdp_tp.py::test_hsdp_tp_places_shards_and_communicates_as_fsdp2[hsdp2x2_tp2_no",
+    "tests/fake/test_hsdp_tp.py::test_hsdp_tp_places_shards_and_communicates_as_fsdp2[hsdp2x2_tp2_divide",
+    "tests/fake/test_hsdp_tp.py::test_hsdp_tp_places_shards_and_communicates_as_fsdp2[hsdp2x2_tp2_offload",
+    "tests/fake/test_hsdp_tp.py::test_hsdp_tp_places_shards_and_communicates_as_fsdp2[dims_tp",
 )
 
 

@@ -63,28 +63,44 @@ def dp_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int) -
 
 
 def dp_tp_spec(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int, where: str) -> DTensorSpec:
-    """The sharded parameter's spec on the (dp, tp) mesh: dp splits the TP-local tensor."""
-    if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
+    """The sharded parameter's spec on the data-parallel mesh (1-D, or 2-D for HSDP) followed by
+    the parameter's own mesh (tensor or expert parallel, 1-D or 2-D): dp splits the TP-local
+    tensor, a ``_StridedShard`` where the parameter's placements already split that dim."""
+    if tp_spec.mesh.ndim > 2:
         raise NotImplementedError(
-            f"{where}: shardkit composes a 1-D "
-            f"data-parallel mesh with a 1-D tensor-parallel mesh, got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D."
+            f"{where} is a DTensor on the {tp_spec.mesh.ndim}-D mesh {tp_spec.mesh}; fully_shard composes with "
+            "tensor or expert parallel over 1 or 2 mesh dims (as FSDP2). Put the parameter on those dims only, "
+            "or pass the full mesh with dp_mesh_dims=DataParallelMeshDims(...)."
         )
     shared = set(dp_mesh.mesh.flatten().tolist()) & set(tp_spec.mesh.mesh.flatten().tolist())
     if len(shared) > 1:  # tensor parallel runs across the dp ranks, not within each
         raise ValueError(
             f"{where} is already a DTensor ({list(tp_spec.placements)} on {tp_spec.mesh}) over ranks that "
             f"fully_shard's mesh {dp_mesh} also shards over. fully_shard composes with tensor parallel on "
-            'another dim of a 2-D mesh: TP on mesh["tp"], fully_shard(mesh=mesh["dp"]). For data parallel '
-            "alone, give it plain tensors: it shards them itself."
+            'other dims of one mesh: TP on mesh["tp"], fully_shard(mesh=mesh["dp"]) (HSDP: '
+            'mesh["dp_replicate", "dp_shard"]). For data parallel alone, give it plain tensors: it shards them itself.'
         )
     key = (id(dp_mesh), id(tp_spec.mesh))
     if key not in _dp_tp_meshes:
-        _dp_tp_meshes[key] = (DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), dp_mesh, tp_spec.mesh)
+        _dp_tp_meshes[key] = (_concatenated(dp_mesh, tp_spec.mesh, where), dp_mesh, tp_spec.mesh)
     mesh = _dp_tp_meshes[key][0]
     split = tp_spec.num_shards_map[dim]
     dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     meta = TensorMeta(tp_spec.shape, contiguous_stride(tp_spec.shape), tp_spec.tensor_meta.dtype)
-    return DTensorSpec(mesh, (dp, *tp_spec.placements), meta)
+    return DTensorSpec(mesh, (*(Replicate(),) * (dp_mesh.ndim - 1), dp, *tp_spec.placements), meta)
+
+
+def _concatenated(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str) -> DeviceMesh:
+    """The data-parallel mesh's dims followed by the parameter's own: one mesh for its spec."""
+    try:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for meshes of different roots
+        raise ValueError(
+            f"{where} is a DTensor on {tp_mesh}, and fully_shard's mesh is {dp_mesh}: they are not dims of "
+            "one mesh, so the sharded parameter has no mesh to live on. Slice both from one "
+            'init_device_mesh(...): parallelize_module(block, mesh["tp"]) and fully_shard(block, '
+            'mesh=mesh["dp_replicate", "dp_shard"]) (or mesh["dp"]).'
+        ) from e
 
 
 def spmd_spec(spmd, tp_spec: DTensorSpec, dim: int, where: str) -> DTensorSpec:
@@ -109,7 +125,7 @@ def spmd_spec(spmd, tp_spec: DTensorSpec, dim: int, where: str) -> DTensorSpec:
         split = math.prod(mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(placements[j], Shard) and placements[j].dim == dim)
         placements[i] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     meta = TensorMeta(tp_spec.shape, contiguous_stride(tp_spec.shape), tp_spec.tensor_meta.dtype)
-    if len(spmd.shard) == 1:
+    if len(spmd.shard) <= 1:  # (none: replicate only, the parameter's own placements)
         return DTensorSpec(mesh, tuple(placements), meta)
     # Several shard dims: one flattened dim in place of the first (HSDP: the replicate dims
     # move in front of it, as the 2-D data-parallel mesh has them).

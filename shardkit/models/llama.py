@@ -117,3 +117,34 @@ def tp_plan() -> dict:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(),
     }
+
+
+def sequence_parallel_plans() -> tuple[dict, dict]:
+    """torchtitan's plans with sequence parallel, ``(root plan, block plan)``: the norms
+    ``SequenceParallel`` (their weights replicated over tp, their gradients partial sums),
+    activations split along the sequence between blocks, the logits whole on every tp rank.
+    ``parallelize_module(model, tp_mesh, root)`` and ``parallelize_module(block, tp_mesh, block_plan)``
+    for each block; the sequence length must divide by the tp size."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    block = {
+        "attention_norm": SequenceParallel(),
+        "attention": gathered,
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gathered,
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return root, block
