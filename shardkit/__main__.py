@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 def _plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=f"a built-in family (gpt, llama), a preset ({', '.join(PRESETS)}), or module:function")
     p.add_argument("--world", type=int, default=8, help="data-parallel (shard) ranks")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a second mesh dim)")
-    p.add_argument("--replicate", type=int, default=1, help="HSDP replicas (a second mesh dim)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a mesh dim after the data-parallel ones)")
+    p.add_argument("--replicate", type=int, default=1, help="HSDP replicas (a mesh dim before --world's; with --tp, a 3-D mesh)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default=None, help="MixedPrecisionPolicy.param_dtype")
@@ -65,10 +65,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     model, sizes = PRESETS.get(args.model, (args.model, {}))
     sizes = {**sizes, **dict(_key_value(kv) for kv in args.set)}
-    if args.tp > 1 and args.replicate > 1:
-        raise SystemExit("shardkit plan: --tp with --replicate is not supported (HSDP + TP)")
     shape, names = (args.world,), ("dp",)
-    if args.tp > 1:
+    if args.tp > 1 and args.replicate > 1:  # HSDP x TP: the 3-D mesh
+        shape, names = (args.replicate, args.world, args.tp), ("replicate", "shard", "tp")
+    elif args.tp > 1:
         shape, names = (args.world, args.tp), ("dp", "tp")
     elif args.replicate > 1:
         shape, names = (args.replicate, args.world), ("replicate", "shard")

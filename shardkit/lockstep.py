@@ -115,11 +115,14 @@ class Lockstep(Direct):
 
 
 def _token_group(states: list[GroupState]) -> tuple:
-    """The ranks the tokens go to: every rank of the groups' mesh (both dims for HSDP)."""
+    """The ranks the tokens go to: every rank of the groups' mesh (both dims for HSDP; with
+    tensor parallel beside it, the data-parallel ranks only: each tp rank agrees with its own)."""
     meshes = [part.mesh for s in states if s.group is not None for part in s.group.parts]
     if not meshes:
         return dist.group.WORLD, dist.get_world_size()
     mesh = meshes[0]
-    if mesh.ndim > 1 and mesh.size() != dist.get_world_size():
-        raise NotImplementedError("set_lockstep with a 2-D mesh needs the mesh to span every rank")
-    return (mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD), mesh.size()
+    if mesh.ndim == 1:
+        return mesh.get_group(), mesh.size()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD, mesh.size()
+    return mesh._flatten().get_group(), mesh.size()  # (made once per mesh; every rank sets lockstep)

@@ -100,8 +100,8 @@ def plan(
 
     ``model_fn``: a factory (``lambda: MyModel(cfg)``), ``"gpt"`` / ``"llama"`` with
     ``model_sizes`` as config fields, or ``"package.module:function"``. ``mesh_shape``:
-    ``(dp,)``, ``(dp, tp)`` with ``mesh_dim_names=("dp", "tp")``, or HSDP's ``(replicate,
-    shard)``. ``batch_size`` is per data-parallel rank. ``inputs_fn(batch_size, seq_len)``
+    ``(dp,)``, ``(dp, tp)`` with ``mesh_dim_names=("dp", "tp")``, HSDP's ``(replicate,
+    shard)``, or HSDP x TP's ``(replicate, shard, tp)``. ``batch_size`` is per data-parallel rank. ``inputs_fn(batch_size, seq_len)``
     returns the forward's positional inputs (built-ins: token ids and, for the GPT, targets);
     ``loss_fn(output, inputs)`` the loss; by default cross-entropy of the output against
     random targets for the default token ids, against the last of ``inputs_fn``'s inputs when

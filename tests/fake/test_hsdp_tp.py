@@ -219,3 +219,49 @@ def test_errors_name_the_parameter_and_the_meshes():
         parallelize_module(block, a["dp_shard", "tp"]._flatten("dp_shard_tp"), tp_plan())
         with pytest.raises(ValueError, match="over ranks that fully_shard's mesh .* also shards over"):
             shardkit.fully_shard(block.attention.wq, mesh=a["dp_replicate", "dp_shard"])
+
+
+class Experts(nn.Module):
+    """Expert weights (E, M, N) on an (ep, tp) mesh: experts split over ep, columns over tp."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        torch.manual_seed(0)
+        self.w = nn.Parameter(distribute_tensor(torch.randn(4, 6, 8), mesh, [Shard(0), Shard(2)], src_data_rank=None))
+
+    def forward(self, x):
+        return (x @ self.w.to_local()).sum()
+
+
+@pytest.mark.parametrize("dp_dims", [("dp_shard",), ("dp_replicate", "dp_shard")], ids=["fsdp_ep_tp", "hsdp_ep_tp"])
+def test_expert_and_tensor_parallel_over_two_dims_as_fsdp2(dp_dims):
+    """FSDP2's 3-D (FSDP x EP x TP) and 4-D (HSDP x EP x TP) spec meshes."""
+    results = []
+    for fully_shard in (torch_fully_shard, shardkit.fully_shard):
+        with fake_world(16, 11):
+            mesh = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "ep", "tp"))
+            model = Experts(mesh["ep", "tp"])
+            fully_shard(model, mesh=mesh[dp_dims] if len(dp_dims) > 1 else mesh[dp_dims[0]])
+            model(torch.randn(2, 6)).backward()
+            w = model.w
+            results.append((w.device_mesh.mesh_dim_names, w.placements, tuple(w.to_local().shape), w.grad.placements, tuple(w.grad.to_local().shape)))
+    assert results[0] == results[1], results
+    assert results[1][1][-2:] == (torch.distributed.tensor.Shard(0), torch.distributed.tensor.Shard(2))
+
+
+def test_lockstep_on_hsdp_tp_agrees_over_the_data_parallel_ranks():
+    """set_lockstep's tokens go over the (dp_replicate, dp_shard) ranks of each tp rank: the
+    group's collectives are the same as without it, plus one token all-gather per step over 4 ranks."""
+    seen = []
+    for lockstep in (False, True):
+        with fake_world(8, 5):
+            model, mesh = build(shardkit.fully_shard, CONFIGS[0], shardkit.MixedPrecisionPolicy, shardkit.CPUOffloadPolicy)
+            model.set_lockstep(lockstep)
+            with shardkit.trace() as t, Audit(mesh) as audit:
+                model(torch.randint(0, 64, (2, 8))).sum().backward()
+            seen.append(([(e.kind, e.group, e.world, e.mesh_dim) for e in t.collectives() if e.kind in ("all_gather", "reduce_scatter", "all_reduce") and e.group],
+                         Counter((s.kind, s.world) for s in audit.seen if s.node == "" and s.dtype == torch.int64)))
+    assert sorted(seen[0][0]) == sorted(seen[1][0])
+    assert not seen[0][1] and set(seen[1][1]) == {("all_gather", 4)}, seen[1][1]

@@ -104,6 +104,33 @@ def test_planned_collectives_for_hsdp():
     assert measured["all_reduce"][0] == 4
 
 
+def test_planned_collectives_and_parameters_for_hsdp_with_tensor_parallel():
+    """The 3-D mesh (replicate, shard, tp): a Llama with tensor-parallel blocks, planned without a
+    process group, against the runtime on the fake one (shardkit's collectives; TP's own are not counted)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shardkit.models.llama import Llama, LlamaConfig, tp_plan
+
+    config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden=64, max_seq=32)
+    p = shardkit.plan("llama", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"), batch_size=2, seq_len=8, **vars(config))
+    with fake_world(8, 5):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        torch.manual_seed(0)
+        model = Llama(config)
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], tp_plan())
+            fully_shard(block, mesh=mesh["replicate", "shard"])
+        fully_shard(model, mesh=mesh["replicate", "shard"])
+        model(torch.randint(0, 64, (2, 8))).sum().backward()
+        with shardkit.trace() as t:
+            model(torch.randint(0, 64, (2, 8))).sum().backward()
+        measured = {k: (s.calls, s.nbytes) for k, s in t.summary().items()}
+        held = sum(q.to_local().numel() * q.element_size() for q in model.parameters())
+    assert planned(p) == measured
+    assert measured["all_reduce"][0] == 3  # one per group, over the replicas
+    assert p.memory.params == held
+
+
 def test_budget_mode_trades_memory_for_communication():
     low = plan_stack(4, n_blocks=4, prefetch=0).memory.peak
     roomy = plan_stack(4, n_blocks=4, budget=10 * low)
