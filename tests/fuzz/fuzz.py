@@ -4,8 +4,9 @@
     python -m tests.fuzz.fuzz --replay fuzz-repro.json     # one example, call by call
 
 The first third of the time goes to the fake-process-group tier (in this process: errors and
-collectives against FSDP2 at world 2..8), the rest to the gloo tier (two rank processes:
-numerics against the unsharded model and FSDP2). A failure is shrunk to a minimal call
+collectives against FSDP2 at world 2..8), the rest to the gloo tier (numerics against the
+unsharded model and FSDP2): two thirds of it on 2 rank processes, one third on 8 with HSDP x
+TP meshes (``FUZZ_MESH=hsdp_tp``). A failure is shrunk to a minimal call
 sequence, written to ``fuzz-repro-fake.json`` / ``fuzz-repro.json``, and the run stops.
 """
 
@@ -27,11 +28,11 @@ from gloo_harness import _grace, log_tail, start_rank  # noqa: E402
 from tests.fuzz import gloo_fuzz  # noqa: E402
 
 
-def spawn_gloo(env: dict, timeout_s: float, stream: bool = True) -> tuple[dict | None, str]:
-    """Run tests/fuzz/gloo_fuzz.py on 2 gloo ranks; (rank 0's result, both ranks' output tails)."""
+def spawn_gloo(env: dict, timeout_s: float, stream: bool = True, world: int = 2) -> tuple[dict | None, str]:
+    """Run tests/fuzz/gloo_fuzz.py on ``world`` gloo ranks; (rank 0's result, the ranks' output tails)."""
     with tempfile.TemporaryDirectory() as tmp:
-        base = {**os.environ, **env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(2)]
+        base = {**os.environ, **env, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(world)]
         procs = [start_rank(gloo_fuzz.main, (Path(tmp), str(Path(tmp) / "init")), {**base, "RANK": str(rank)},
                             None if stream and rank == 0 else log) for rank, log in enumerate(logs)]
         _grace(procs, timeout_s)  # then killed
@@ -73,7 +74,7 @@ def replay(path: str) -> int:
         print(tails if result is None else f"FAILED: {result['failure']}" if result.get("failure") else "passed")
         return 1 if result is None or result.get("failure") else 0
     world, spec, commands = from_json(Path(path).read_text())
-    if json.loads(Path(path).read_text()).get("tier") == "fake" or world != 2:
+    if json.loads(Path(path).read_text()).get("tier") == "fake":
         from tests.fuzz.test_fake_fuzz import run_example
 
         print(f"replaying {path} on the fake process group, world {world}: {spec}")
@@ -84,7 +85,7 @@ def replay(path: str) -> int:
             return 1
         print("passed")
         return 0
-    result, tails = spawn_gloo({"FUZZ_REPLAY": str(Path(path).resolve())}, timeout_s=300)
+    result, tails = spawn_gloo({"FUZZ_REPLAY": str(Path(path).resolve())}, timeout_s=300, world=world)
     if result is None:
         print(tails)
         return 1
@@ -104,16 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     if failure:
         print(f"FAILED (fake process group): {failure}")
         return 1
-    env = {"FUZZ_SEED": str(args.seed), "FUZZ_S": str(args.seconds * 2 / 3), "FUZZ_EXAMPLES": "50", "FUZZ_REPRO": str(ROOT / "fuzz-repro.json")}
-    result, tails = spawn_gloo(env, timeout_s=args.seconds + 600)
-    if result is None:
-        crashed = ROOT / "fuzz-running.json"
-        where = f"; the example running when they stopped: {crashed} (make fuzz REPLAY={crashed})" if crashed.exists() else ""
-        print(f"FAILED (gloo): no result{where}\n{tails}")
-        return 1
-    if result.get("failure"):
-        return 1  # rank 0 printed it
-    print(f"fuzz: passed ({result['examples']} gloo examples in {result['seconds']} s)")
+    # the gloo tier: half its time on 2 ranks (every mesh), the rest on 8 (HSDP x TP, each example 4x the CPU)
+    tiers = [(2, {}, args.seconds * 4 / 9), (8, {"FUZZ_MESH": "hsdp_tp"}, args.seconds * 2 / 9)]
+    passed = []
+    for world, extra, seconds in tiers:
+        env = {"FUZZ_SEED": str(args.seed), "FUZZ_S": str(seconds), "FUZZ_EXAMPLES": "50" if world == 2 else "6",
+               "FUZZ_REPRO": str(ROOT / "fuzz-repro.json"), **extra}
+        result, tails = spawn_gloo(env, timeout_s=seconds + 600, world=world)
+        if result is None:
+            crashed = ROOT / "fuzz-running.json"
+            where = f"; the example running when they stopped: {crashed} (make fuzz REPLAY={crashed})" if crashed.exists() else ""
+            print(f"FAILED (gloo, {world} ranks): no result{where}\n{tails}")
+            return 1
+        if result.get("failure"):
+            return 1  # rank 0 printed it
+        passed.append(f"{result['examples']} gloo examples on {world} ranks in {result['seconds']} s")
+    print(f"fuzz: passed ({'; '.join(passed)})")
     return 0
 
 

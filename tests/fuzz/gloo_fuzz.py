@@ -1,7 +1,7 @@
 """The differential fuzzer on real gloo ranks: numerics against the unsharded model and FSDP2.
 
-One pair of processes runs many examples. Rank 0 drives hypothesis and sends each example
-(a model spec and a call sequence) to rank 1; both run it in lockstep (``run_example``): after
+One set of processes (2 ranks; 8 with FUZZ_MESH=hsdp_tp) runs many examples. Rank 0 drives
+hypothesis and sends each example (a model spec and a call sequence) to the others; all run it in lockstep (``run_example``): after
 every call the ranks exchange their verdicts, so that both stop at the same call. A failing
 example is shrunk by hypothesis on rank 0 (rank 1 just runs what it is sent) and written as
 JSON, replayable with ``python -m tests.fuzz.fuzz --replay FILE``.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tests.fuzz.meshes import make_meshes
 from tests.fuzz.sequences import Failure, Run, Spec, from_json, to_json
 
-WORLD = 2
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))  # 2; 8 for HSDP x TP (FUZZ_MESH=hsdp_tp)
 TIMEOUT_S = 60  # a collective one rank never joins raises after this long (a hang is a failure)
 
 
@@ -79,7 +79,7 @@ def _agree(problem: str | None, where) -> str | None:
     return None
 
 
-# Rank 0 drives, rank 1 follows ---------------------------------------------------------------
+# Rank 0 drives, the others follow ---------------------------------------------------------------
 def _send(message) -> None:
     dist.broadcast_object_list([message], src=0)
 
@@ -105,7 +105,7 @@ def lead(meshes: dict, seed: int, examples: int, seconds: float, repro: str) -> 
     stats = {"examples": 0, "first_failure_at": None, "rounds": 0, "seeds": [], "failure": None, "calls": 0, "skipped": 0, "fsdp2": {}, "optim": {}}
 
     def check(data):
-        spec = data.draw(strategies.specs(WORLD), label="spec")
+        spec = data.draw(strategies.specs(WORLD, mesh=os.environ.get("FUZZ_MESH") or None), label="spec")
         commands = data.draw(strategies.sequences(compiled=spec.compiled_mode), label="commands")
         stats["examples"] += 1
         line = to_json(spec, commands, world=WORLD) + "\n"  # (one line: json.dumps)

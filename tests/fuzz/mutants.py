@@ -150,6 +150,18 @@ MUTANTS = {
     "reduce-scatter-in-param-dtype": ("shardkit/comm/buckets.py", "by_dtype.setdefault(p.reduce_dtype, []).append(p)",
                                       "by_dtype.setdefault(p.param_dtype, []).append(p)",
                                       "gradients are reduce-scattered in param_dtype, not reduce_dtype"),
+    "hsdp-tp-strided-split-ignored": ("shardkit/dtensor/placements.py", "    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)",
+                                      "    dp = Shard(dim)",
+                                      "a column-wise weight's dp placement is Shard(0), not _StridedShard: full_tensor() interleaves the rows wrongly"),
+    "hsdp-tp-replicate-dim-dropped": ("shardkit/dtensor/placements.py", "(*(Replicate(),) * (dp_mesh.ndim - 1), dp, *tp_spec.placements)",
+                                      "(*(Shard(dim),) * (dp_mesh.ndim - 1), dp, *tp_spec.placements)",
+                                      "HSDP x TP parameters claim a shard over dp_replicate too (their full_tensor and state_dict are wrong)"),
+    "replicate-only-shards-the-replicas": ("shardkit/meshes.py", "dp = flat(replicate)._unflatten(0, (flat(replicate).size(), 1), (name, f\"{name}_unsharded\"))",
+                                           "dp = flat(replicate)._unflatten(0, (1, flat(replicate).size()), (name, f\"{name}_unsharded\"))",
+                                           "DataParallelMeshDims(replicate=...) shards over the replicas while the placements say Replicate()"),
+    "lockstep-tokens-over-every-rank": ("shardkit/lockstep.py", "    return mesh._flatten().get_group(), mesh.size()",
+                                        "    return dist.group.WORLD, mesh.size()",
+                                        "set_lockstep on HSDP x TP agrees over every rank, tp ranks included, and reads the wrong number of tokens"),
 }
 
 # Not tests/unit/test_mutants_apply.py: in a mutated tree it fails by construction (the line it

@@ -58,7 +58,7 @@ class Spec:
     tied: str = "none"  # "none" | "same" (embedding and head in the root group) | "across" (head its own group)
     mp: bool = False  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     reshard: Any = True  # the blocks' reshard_after_forward: True, False, or an int
-    mesh: str = "1d"  # "1d" | "hsdp" (replicate, shard) = (2, world/2) | "hsdp1" = (1, world)
+    mesh: str = "1d"  # "1d" | "hsdp" (replicate, shard) = (2, world/2) | "hsdp1" = (1, world) | "hsdp_tp" (2, world/4) x tp 2 (see shard)
     foreach: bool = False  # AdamW's multi-tensor path, which bumps no version counter
     unused: bool = False  # each block holds a Linear its forward never calls (.grad stays None)
     param_mesh: bool = False  # the blocks' lin.weight on a mesh of its own (ShardPlacementResult): HSDP (2, world / 2), (1, 2) at world 2
@@ -208,6 +208,11 @@ def shard(model: Net, spec: Spec, impl: str, mesh, meshes: dict | None = None) -
         weights = {id(block.lin.weight) for block in model.blocks}
         placement["shard_placement_fn"] = lambda p: ShardPlacementResult(None, own) if id(p) in weights else None
     for block in model.blocks:
+        if spec.mesh == "hsdp_tp":  # torchtitan's order: tensor parallel first (lin column-wise, its output whole again)
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+            parallelize_module(block.lin, meshes["hsdp_tp:tp"], ColwiseParallel(output_layouts=Replicate()))
         if block.inner is not None:
             fully_shard(block.inner, **kwargs)
         fully_shard(block, reshard_after_forward=spec.reshard, **kwargs, **placement)
@@ -379,6 +384,9 @@ class Run:
         self.mesh, self.meshes = meshes[spec.mesh], meshes
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
+        # the data-parallel ranks (the tp ranks of one share its rows of the batch)
+        tp = meshes["hsdp_tp:tp"].size() if spec.mesh == "hsdp_tp" else 1
+        self.dp_world, self.dp_rank = self.world // tp, self.rank // tp
         torch.manual_seed(0)
         base = Net(spec)
         self.reference = copy.deepcopy(base)
@@ -466,7 +474,7 @@ class Run:
     def grad_scale(self, name: str) -> float:
         """Sharded .grad = reference .grad * this (set_gradient_divide_factor)."""
         factor = self.factor[self.owner[name]]
-        return 1.0 if factor is None else self.world / factor
+        return 1.0 if factor is None else self.dp_world / factor
 
     # Executing ----------------------------------------------------------------------------
     def execute(self, cmd: tuple) -> None:
@@ -696,6 +704,8 @@ class Run:
             side.pre_hook_reads.clear()  # (the hooks hold this list)
             for target, weight in reads if side.alive else ():
                 want = self.reference.get_submodule(target).lin.weight.detach()
+                if self.spec.mesh == "hsdp_tp" and isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("tp",):
+                    weight = weight.full_tensor()  # tensor parallel's own DTensor: whole over the data-parallel dims
                 if isinstance(weight, DTensor) or weight.shape != want.shape:
                     read = "a sharded DTensor" if isinstance(weight, DTensor) else f"a tensor of shape {tuple(weight.shape)}"
                     self._fail_or_drop(side, f"{cmd}: the forward pre-hook of {target} read {read}, not the whole weight {tuple(want.shape)}")
@@ -777,7 +787,7 @@ class Run:
         x, model = x.clone().requires_grad_(True), side.model if side is not None else self.reference
         out = model(x)
         grad_x, = torch.autograd.grad(out.float().sum(), x, create_graph=True)
-        loss = output_loss(model, out, y) + grad_x.float().pow(2).sum() / (1 if side is not None else self.world)
+        loss = output_loss(model, out, y) + grad_x.float().pow(2).sum() / (1 if side is not None else self.dp_world)
         if side is not None:
             side.loss = loss
         else:
@@ -806,8 +816,8 @@ class Run:
             x = x.to(self.dtype)
         if not local:
             return x, y
-        per = BATCH // self.world if BATCH >= self.world else 1
-        lo = (self.rank * per) % BATCH
+        per = BATCH // self.dp_world if BATCH >= self.dp_world else 1
+        lo = (self.dp_rank * per) % BATCH
         return x[lo : lo + per], y[lo : lo + per]
 
     def do_backward(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

@@ -16,22 +16,25 @@ def own_shard_size(world: int) -> int:
 
 
 @st.composite
-def specs(draw, world: int, fsdp2_only: bool = False) -> Spec:
+def specs(draw, world: int, fsdp2_only: bool = False, mesh: str | None = None) -> Spec:
     """A model; ``fsdp2_only``: none of what FSDP2 rejects (several dtypes in a group, weights
     tied across groups), for the tier that only compares with FSDP2. One in five shards
     shardkit's side in compiled mode, with only what that mode takes: no mesh of a
     parameter's own; half of those run the blocks as
     nested compile regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
     (``Spec.optim``); one in four with a bool reshard_after_forward makes the blocks' weight a
-    tensor subclass with FSDP2's all-gather hooks (``Spec.extension``)."""
+    tensor subclass with FSDP2's all-gather hooks (``Spec.extension``). At world 8 and more, one in
+    four is HSDP x TP (``Spec.mesh == "hsdp_tp"``); ``mesh`` draws only that mesh."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
-    mesh = draw(st.sampled_from(["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]))
-    shard_size = world // 2 if mesh == "hsdp" else world
+    meshes = ["1d", "hsdp", "hsdp1"] if world % 2 == 0 else ["1d"]
+    if mesh is None:  # (given: that mesh only, e.g. the 8-rank gloo tier's HSDP x TP)
+        mesh = draw(st.sampled_from(meshes + ["hsdp_tp"] * (world % 8 == 0)))  # HSDP x TP: the blocks' lin column-wise over tp 2
+    shard_size = {"hsdp": world // 2, "hsdp_tp": world // 4}.get(mesh, world)
     ints = [r for r in (2, 4) if r < shard_size and shard_size % r == 0]  # reshard to R ranks after forward
     reshard = draw(st.sampled_from([True, False, *ints]))
     # (not with swap_data: Tagged asserts that fsdp_post_all_gather's out= is the buffer it built, which a swap
     # replaces; not with an int reshard_after_forward: NotImplementedError in FSDP2 and shardkit alike)
-    extension = isinstance(reshard, bool) and draw(st.sampled_from([False] * 3 + [True]))  # (shrinks towards plain parameters)
+    extension = isinstance(reshard, bool) and mesh != "hsdp_tp" and draw(st.sampled_from([False] * 3 + [True]))  # (shrinks towards plain parameters)
     tied = draw(st.sampled_from(["none", "same"] if fsdp2_only else ["none", "same", "across"]))
     return Spec(
         blocks=draw(st.sampled_from([2, 3])),

@@ -28,6 +28,22 @@ def test_random_call_sequences_train_as_the_unsharded_model_and_fsdp2(tmp_path):
     assert result["examples"] >= EXAMPLES
 
 
+HSDP_TP_EXAMPLES = int(os.environ.get("FUZZ_GLOO8_EXAMPLES", "6"))
+
+
+def test_hsdp_tp_call_sequences_on_eight_ranks_train_as_the_unsharded_model_and_fsdp2(tmp_path):
+    """The same on 8 gloo ranks, every example on a (dp_replicate 2, dp_shard 2, tp 2) mesh (the
+    blocks' lin column-wise over tp, fully_shard over the data-parallel dims): a small budget,
+    each example costs 4 times the CPU; make fuzz gives it a third of its gloo time."""
+    repro = tmp_path / "fuzz-repro.json"
+    env = {"FUZZ_SEED": str(SEED), "FUZZ_EXAMPLES": str(HSDP_TP_EXAMPLES), "FUZZ_S": "0", "FUZZ_REPRO": str(repro), "FUZZ_MESH": "hsdp_tp"}
+    result, tails = spawn_gloo(env, timeout_s=240, stream=False, world=8)
+    running = tmp_path / "fuzz-running.json"
+    assert result is not None, f"the fuzzer's ranks crashed or hung in:\n{running.read_text() if running.exists() else '(none)'}\n{tails}"
+    assert result["failure"] is None, f"{result['failure']}\nrepro:\n{repro.read_text() if repro.exists() else '(none)'}"
+    assert result["examples"] >= HSDP_TP_EXAMPLES
+
+
 # Examples that a longer make fuzz once failed, one a line, and why each must pass now:
 # 1. (seed 82837) bf16 mixed precision with the embedding tied to the head in a group of its own:
 #    after an AdamW step a gradient is 0.19 of its largest element off the fp32 reference, the
