@@ -5,11 +5,16 @@ mesh=mesh["dp_replicate", "dp_shard"])``), and FSDP2's replicate-only mode.
 - a Llama with sequence parallel (``SequenceParallel`` norms, Colwise/Rowwise blocks): 3 AdamW
   steps within float tolerance of the unsharded model on the whole batch, and bit for bit
   FSDP2's, in fp32 and with a bf16 / fp32 policy;
+- ``SHARDKIT_CHECK``'s check mode: the ranks agree on every collective of a step; the trace
+  names each collective's mesh dim;
 - ``shardkit.clip_grad_norm_`` equal to torch's clip on the unsharded model;
 - ``shardkit.optim.Muon`` bit-identical to torch.optim.Muon in one process, each matrix
   orthogonalized once (not once per replica);
 - a DCP checkpoint saved on HSDP x TP, resumed on 1-D FSDP over the same ranks and on 4 of them
   (FSDP 2 x TP 2);
+- ``save_pretrained`` from HSDP x TP: the files hold the unsharded model's state dict, each key
+  once; ``load_pretrained`` of the folder into a poisoned HSDP x TP model gives every rank its
+  own piece with no collective;
 - ``DataParallelMeshDims(replicate="dp")``: FSDP2's bits and the unsharded model's numbers;
 - compiled mode under ``torch.compile``: eager shardkit's bits.
 
@@ -171,6 +176,24 @@ def compiled_mode_under_torch_compile_gives_eager_shardkits_bits(mesh, impl):
 
 
 @checks("shardkit")
+def check_mode_agrees_on_every_collective_and_the_trace_names_each_mesh_dim(mesh, impl):
+    from shardkit.comm import check
+
+    mesh3 = mesh_3d()
+    model = hsdp_tp_llama("shardkit", mesh3)
+    (x, y), = batches(1)
+    i = dp_index(mesh3)
+    check.check_collectives(True)
+    try:
+        with shardkit.trace() as t:
+            loss_of(model, x[i : i + 1], y[i : i + 1]).backward()
+    finally:
+        check.check_collectives(False)
+    dims = {(e.kind, e.mesh_dim, e.world) for e in t.collectives()}
+    assert dims == {("all_gather", "dp_shard", 2), ("reduce_scatter", "dp_shard", 2), ("all_reduce", "dp_replicate", 2)}, t.format()
+
+
+@checks("shardkit")
 def clip_grad_norm_counts_each_replica_once(mesh, impl):
     mesh3 = mesh_3d()
     model = hsdp_tp_llama("shardkit", mesh3)
@@ -281,6 +304,20 @@ def a_dcp_checkpoint_of_hsdp_tp_resumes_on_1d_fsdp_and_on_four_ranks(mesh, impl)
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@checks("shardkit")
+def save_pretrained_from_hsdp_tp_loads_back_each_rank_its_piece(mesh, impl):
+    from test_pretrained_four_ranks import local_pieces_problems, on_all_ranks, save_round_trip
+
+    mesh3 = mesh_3d()
+    torch.manual_seed(0)
+    ref = Llama(CONFIG)
+    model, fresh = hsdp_tp_llama("shardkit", mesh3), hsdp_tp_llama("shardkit", mesh3)
+    assert isinstance(model.layers[0].attention.wq.weight.placements[1], _StridedShard)
+    save_round_trip(mesh, model, fresh, ref, [mesh3])  # fresh is poisoned before its load
+    problems = on_all_ranks(mesh, local_pieces_problems(fresh, ref.state_dict()))
+    assert not problems, "\n".join(problems)
 
 
 @checks("shardkit")
