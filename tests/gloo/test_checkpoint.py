@@ -5,6 +5,7 @@ exception, and check mode for rank-divergent programs, on 2 gloo ranks.
 """
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -91,6 +92,9 @@ def checkpoint_save_load_and_full_state_dicts(mesh, impl):
     checkpoint.load_full_state_dict(third.model, full_sd if mesh.get_local_rank() == 0 else None)
     for (name, a), b in zip(third.model.named_parameters(), p.model.parameters()):
         assert torch.equal(full(a.detach()), full(b.detach())), name
+    torch.distributed.barrier(group=mesh.get_group())  # nobody reads the checkpoint any more
+    if mesh.get_local_rank() == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
 
 
 class Flaky(Stack):

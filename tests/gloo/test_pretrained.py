@@ -7,8 +7,10 @@ trains as transformers' own single-process model. (4 ranks, HSDP, FSDP x TP, per
 meshes: test_pretrained_four_ranks.py.)
 """
 
+import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -31,10 +33,28 @@ from tests.dtype_audit import Audit  # noqa: E402
 checks = Checks()
 
 
+_folders: list[str] = []  # made by the running check; removed when it passes (kept to look into when it fails)
+
+
 def shared_tmpdir(mesh) -> str:
     holder = [tempfile.mkdtemp(dir="/tmp", prefix="pretrained-") if mesh.get_local_rank() == 0 else None]
     dist.broadcast_object_list(holder, group=mesh.get_group(), group_src=0)
+    _folders.append(holder[0])
     return holder[0]
+
+
+def removes_its_folders(check):
+    @functools.wraps(check)
+    def run(mesh, impl):
+        _folders.clear()
+        check(mesh, impl)
+        dist.barrier(group=mesh.get_group())  # nobody reads them any more
+        if mesh.get_local_rank() == 0:
+            for folder in _folders:
+                shutil.rmtree(folder, ignore_errors=True)
+        _folders.clear()
+
+    return run
 
 
 def written(mesh, tensors: dict[str, torch.Tensor], name: str = "model.safetensors") -> str:
@@ -83,6 +103,7 @@ class WithBuffers(Stack):
 
 
 @checks()
+@removes_its_folders
 def fsdp_loads_bit_identical_reading_only_its_rows_and_no_collective(mesh, impl):
     file_model = seeded(Stack, 1)
     tensors = file_model.state_dict()
@@ -101,6 +122,7 @@ def fsdp_loads_bit_identical_reading_only_its_rows_and_no_collective(mesh, impl)
 
 
 @checks()
+@removes_its_folders
 def a_bf16_file_is_cast_to_the_parameters_dtype(mesh, impl):
     tensors = {k: v.to(torch.bfloat16) for k, v in seeded(Stack, 2).state_dict().items()}
     model = sharded(Stack, impl, mesh)
@@ -110,6 +132,7 @@ def a_bf16_file_is_cast_to_the_parameters_dtype(mesh, impl):
 
 
 @checks()
+@removes_its_folders
 def a_meta_built_model_is_materialized_shard_by_shard(mesh, impl):
     tensors = seeded(WithBuffers, 3).state_dict()
     path = written(mesh, tensors)
@@ -129,6 +152,7 @@ def a_meta_built_model_is_materialized_shard_by_shard(mesh, impl):
 
 
 @checks()
+@removes_its_folders
 def tied_weights_load_from_one_key_and_a_key_map_renames_prefixes(mesh, impl):
     ref = seeded(small_gpt, 4)
     assert ref.head.weight is ref.tok_emb.weight
@@ -146,6 +170,7 @@ def tied_weights_load_from_one_key_and_a_key_map_renames_prefixes(mesh, impl):
 
 
 @checks()
+@removes_its_folders
 def mismatched_keys_and_shapes_raise_listing_them_and_change_nothing(mesh, impl):
     tensors = dict(seeded(Stack, 6).state_dict())
     tensors["extra.weight"] = torch.zeros(2)
@@ -170,6 +195,7 @@ def mismatched_keys_and_shapes_raise_listing_them_and_change_nothing(mesh, impl)
 
 
 @checks()
+@removes_its_folders
 def a_truncated_or_corrupt_file_raises_naming_it(mesh, impl):
     path = written(mesh, seeded(Stack, 7).state_dict())
     damaged = {"truncated": path + ".cut", "garbage": path + ".bad"}
@@ -188,6 +214,7 @@ def a_truncated_or_corrupt_file_raises_naming_it(mesh, impl):
 
 
 @checks()
+@removes_its_folders
 def save_pretrained_writes_each_tensor_whole_on_one_rank_and_loads_back(mesh, impl):
     model = sharded(small_gpt, impl, mesh, seed=8)
     expected = {k: full(v) for k, v in model.state_dict().items() if k != "head.weight"}  # tied: its first key
@@ -217,6 +244,7 @@ def save_pretrained_writes_each_tensor_whole_on_one_rank_and_loads_back(mesh, im
 
 
 @checks("shardkit", sim=False)
+@removes_its_folders
 def a_tiny_llama_saved_by_transformers_loads_and_trains_as_transformers_own(mesh, impl):
     from transformers import LlamaConfig, LlamaForCausalLM
 
