@@ -48,7 +48,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """``shardkit.checkpoint`` is imported at its first use: it imports
-    torch.distributed.checkpoint, about 0.9 s that ``import shardkit`` need not pay."""
+    torch.distributed.checkpoint, a slow import that ``import shardkit`` need not pay."""
     if name == "checkpoint":
         return importlib.import_module("shardkit.checkpoint")
     raise AttributeError(f"module 'shardkit' has no attribute '{name}'")

@@ -65,7 +65,7 @@ def _flat(settings: Settings, shards: tuple, kept: tuple, args: tuple) -> tuple:
     """A region call's arguments after the module, in one flat tuple: the settings' fields, the
     shards, what ``gather_inputs`` keeps, the module's arguments. Dynamo fingerprints a call
     whose arguments are all tensors, constants (None too) and modules at once; nested tuples
-    it flattens with an inlined pytree, about 0.13 s per block (GPT of n_embd 256)."""
+    it flattens with an inlined pytree, a cost paid again for every block."""
     return (*settings, *shards, *kept, *args)
 
 
@@ -248,7 +248,7 @@ def allowed_here() -> bool:
     Nor a frame compiled with dynamic shapes (a batch of another sequence length makes dynamo
     compile again with a symbolic length): the region's key (``_key``) describes its inputs'
     sizes to ``_region_id``, a constant to dynamo, which cannot take a symbolic one, and the
-    compile failed ("reuse_hash_fn must be fully traceable", before 2026-12-05). Inside the
+    compile would fail ("reuse_hash_fn must be fully traceable"). Inside the
     trace a symbolic size passes for an int (``isinstance(d, torch.SymInt)`` is False there),
     so the frame's shape environment is asked whether it holds any symbol."""
     from torch._dynamo import symbolic_convert
@@ -296,7 +296,7 @@ def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
     Where it reduce-scatters, ONE input that then gets a gradient (the first shard that requires
     one; HSDP without the all-reduce: the first bucket's leaf for the kept sums) passes through
     ``_Reductions``, which records the reductions. One, not every shard: dynamo's tracing of an
-    autograd function grows with its inputs times its outputs (0.16 s per block of 12 parameters)."""
+    autograd function grows with its inputs times its outputs."""
     if not settings.sync:
         return tuple(s.detach() for s in shards), kept  # nothing reduced, nothing to record
     if group.hsdp and not settings.all_reduce:  # the reduce-scattered sums go to the partial leaves

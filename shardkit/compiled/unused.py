@@ -60,8 +60,8 @@ def reading(group: CompiledGroup, i: int) -> torch.Tensor:
 @torch._dynamo.allow_in_graph
 def _read(param: torch.Tensor, mark: torch.Tensor, uid: str, i: int) -> torch.Tensor:
     """In the graph as one call: dynamo runs it (on fake tensors) once while tracing, which
-    notes the read as ``read`` would. The demo GPT's first compiled step (aot_eager, best of 3)
-    took 1.5 s longer with ``_Read`` and the note traced apart, 0.8 s with this. ``i`` may come
+    notes the read as ``read`` would, and dynamo traces one call instead of ``_Read`` and the
+    note apart, which made the first compiled step slower. ``i`` may come
     symbolic: after a graph break inside the group's forward, dynamo made the index an input of
     the resumed frame (``int``: the value it was traced with)."""
     by_uid(uid).reads.add(int(i))
