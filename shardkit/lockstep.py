@@ -41,7 +41,7 @@ class Lockstep(Direct):
 
     def __init__(self, schedule: Schedule) -> None:
         super().__init__(schedule)
-        self.tokens = _token_group(schedule.states)  # (process group, world): raises if unsupported
+        self.tokens = _token_group(schedule.states)  # (process group, world)
         self._acting = False  # inside an agreed round: act at once
 
     def gather(self, state: GroupState) -> None:

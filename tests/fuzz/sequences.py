@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.dtype_audit import Audit
@@ -209,9 +210,6 @@ def shard(model: Net, spec: Spec, impl: str, mesh, meshes: dict | None = None) -
         placement["shard_placement_fn"] = lambda p: ShardPlacementResult(None, own) if id(p) in weights else None
     for block in model.blocks:
         if spec.mesh == "hsdp_tp":  # torchtitan's order: tensor parallel first (lin column-wise, its output whole again)
-            from torch.distributed.tensor import Replicate
-            from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
             parallelize_module(block.lin, meshes["hsdp_tp:tp"], ColwiseParallel(output_layouts=Replicate()))
         if block.inner is not None:
             fully_shard(block.inner, **kwargs)
