@@ -9,7 +9,7 @@ copies into and out of the collective buffers, bookkeeping, the sharded optimize
 1. **World sweep** (8, 64, 512, 4096 ranks; fixed block count). The model is a stack of
    ``Linear(64, 64) + ReLU`` blocks, one group each, plus the root (bench.py's hook-overhead
    model). Per library: ``fully_shard`` time per block and for the root, lazy init (called
-   directly: ``shardkit.root.lazy_init`` and FSDP2's ``FSDPState._lazy_init``, what the first
+   directly: ``shardkit.eager.root.lazy_init`` and FSDP2's ``FSDPState._lazy_init``, what the first
    forward calls), the first step after it, and the steady step (zero_grad, forward, backward,
    AdamW foreach step), medians over interleaved rounds, next to the same model unsharded.
    overhead per group = (step - unsharded step) / groups. A weight of 64 rows is sharded by
@@ -51,7 +51,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardkit
-from shardkit.root import lazy_init as shardkit_lazy_init
+from shardkit.eager.root import lazy_init as shardkit_lazy_init
 
 LIBS = ("shardkit", "fsdp2")
 SHARD = {"shardkit": shardkit.fully_shard, "fsdp2": torch_fully_shard}

@@ -8,16 +8,18 @@ Switch with one import line::
 import importlib
 from typing import Any
 
-from shardkit.api import ShardPlacementResult, fully_shard
+from shardkit.eager.api import ShardPlacementResult, fully_shard
 from shardkit.clip import clip_grad_norm_, grad_norm
 from shardkit.comm.check import CollectiveMismatch, check_collectives
 from shardkit.comm import timeline
 from shardkit.comm.trace import Trace, trace
 from shardkit.memtrack import MemTracker
+from shardkit import optim  # registers its optimizer step hooks for the first fully_shard (core/steps.py)
 from shardkit.planner import Plan, apply_plan, plan
-from shardkit.meshes import DataParallelMeshDims
-from shardkit.module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.meshes import DataParallelMeshDims
+from shardkit.core.module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method
+from shardkit.eager.module import share_comm_ctx
+from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from shardkit.comm import check, trace
-from shardkit.meshes import mesh_device
+from shardkit.core.meshes import mesh_device
 
 TRACE_NAME = "grad_norm"  # the group field of the all-reduces in a shardkit.trace()
 

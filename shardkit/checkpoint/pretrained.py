@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, ModelMismatchError
-from shardkit.meshes import mesh_device
+from shardkit.core.meshes import mesh_device
 from shardkit.optim.owners import Matrix, OwnerCompute, Piece, _splits, pieces
 
 __all__ = ["load_pretrained", "save_pretrained"]

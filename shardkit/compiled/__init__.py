@@ -75,17 +75,15 @@ import torch._dynamo
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardkit import api, meshes
 from shardkit.compiled import overlap, region, unused
 from shardkit.compiled.gather import gather
 from shardkit.compiled.group import CompiledGroup, groups_alive
 from shardkit.compiled.module import CompiledFSDPModule, following_register_parameter
+from shardkit.core import meshes, setup
+from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from shardkit.core.setup import class_name, state_of
+from shardkit.core.tensors import cast_inputs, cast_output
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
-from shardkit.module import accept_full_tensors
-from shardkit.optim import local_step
-from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
-from shardkit.state import class_name, state_of
-from shardkit.tensors import cast_inputs, cast_output
 
 
 def fully_shard(
@@ -102,24 +100,23 @@ def fully_shard(
     """``shardkit.fully_shard`` in compiled mode (see the top of this file): shard ``module``'s
     parameters over ``mesh`` and gather them inside its forward as ops of the graph. The same
     signature; the options this mode does not take raise ``NotImplementedError``."""
-    modules = api._check_modules(module)
+    modules = setup.check_modules(module)
     mesh = meshes.default_mesh() if mesh is None else mesh
     meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None)
     spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
     dp_mesh = spmd.dp_mesh if spmd is not None else mesh  # 1-D, or 2-D (replicate, shard)
     overlap.install()
-    local_step.install_once()  # torch's elementwise optimizers step on the local shards, as in eager mode
     _unsupported(shard_placement_fn, offload_policy)
     reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh, spmd=spmd is not None, split=True)
     mp_policy, options = check_policies(mp_policy, offload_policy)
-    found = api.collect(modules, ignored_params)
+    found = setup.collect(modules, ignored_params)
     for inner in found.nested:
         if not isinstance(inner, CompiledGroup):
             raise ValueError(f"shardkit: {class_name(inner.modules[0])} was sharded by shardkit.fully_shard (eager); use one mode for the whole model.")
     borrowed = _borrowed(found)
     # Every parameter gathers in param_dtype here: this mode has never applied param_dtype_override_fn.
     options = dataclasses.replace(options, mp_policy=dataclasses.replace(mp_policy, param_dtype_override_fn=None))
-    sharded = api.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
+    sharded = setup.shard_params(found, options, dp_mesh, meshes.mesh_device(mesh), spmd=spmd)
     own = list(sharded.values())
     _check_self_gathered(own, reshard_after_forward if post_forward_mesh is not None else None)
     _check_dense_grads(own)
@@ -129,10 +126,7 @@ def fully_shard(
     for p, owner, _ in borrowed:
         owner.lent.add(owner.params.index(p))
     overlap.GROUPS.update(comm.pg_name for comm in (group.shard, *(group.post_forward or ())))
-    api.register_sharded(group, sharded, dataclasses.replace(found, borrowed={}))
-    for p, _, slots in borrowed:
-        p.add_slots(slots, unsharded=False)
-    accept_full_tensors([(slot, p) for p, _, slots in borrowed for slot in slots])
+    setup.register_sharded(group, sharded, found, unsharded=lambda owner: False)
     _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
     group.make_leaves()
     region.choose(_name_under(modules[0], group))
@@ -221,7 +215,7 @@ def _check_dense_grads(params: list[ShardedParam]) -> None:
                                           "fully_shard does not reduce; build it with sparse=False, or pass the parameter in ignored_params.")
 
 
-def _borrowed(found: api.Found) -> list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]:
+def _borrowed(found: setup.Found) -> list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]:
     """Weights tied to a parameter an earlier call sharded (the embedding and the output head
     in two calls): this group gathers them too, in its own all-gather, and its reduce-scatter
     gives their shards a gradient that autograd adds to the owner's."""
@@ -263,7 +257,7 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
             namespace["_shardkit_plain_forward"] = type(m).forward  # what a region runs (region.py)
             namespace["register_forward_pre_hook"] = _registering_pre_hooks(group, type(m))
         mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
-        m.__class__ = api.subclass(type(m), namespace, mixin)
+        m.__class__ = setup.subclass(type(m), namespace, mixin)
         if m in group.modules and m._forward_pre_hooks:
             _gather_before_pre_hooks(group, m)
 

@@ -6,18 +6,17 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardkit.comm.collectives import backend_of
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam, backs
-from shardkit.policies import MixedPrecisionPolicy
+from shardkit.core.policies import MixedPrecisionPolicy
 
 
 _BY_UID: "weakref.WeakValueDictionary[str, CompiledGroup]" = weakref.WeakValueDictionary()
@@ -259,6 +258,14 @@ class CompiledGroup:
         leaf = self._kept.get(b)
         return _take(leaf) if take else (leaf.grad if leaf is not None else None)
 
+    def holds_any(self, ids: set[int]) -> bool:
+        """Whether an optimizer stepping on the parameters ``ids`` steps on ours (core/steps.py)."""
+        return any(id(param) in ids for param in self.registered())
+
+    def shards_changed(self) -> None:
+        """An optimizer stepped on our shards: what a backward kept is stale."""
+        self.drop_kept()
+
     def drop_kept(self) -> None:
         """The shards changed, or ``reshard()``: the next forward all-gathers again."""
         for leaf in self._kept.values():
@@ -325,30 +332,6 @@ class Copy(NamedTuple):
     def of(i: int, p: ShardedParam) -> "Copy":
         full, rows = p.layout.unsharded_padded_shape, p.layout.shape[0]
         return Copy(i, p.layout.padded_rows, tuple(full), rows if full[0] != rows else -1, p.tp_spec is not None)
-
-
-# set_reshard_after_backward(False): an optimizer step over a group's parameters makes what its
-# backward kept stale (torch's foreach and fused optimizers do not bump version counters).
-_KEEPING: "weakref.WeakSet[CompiledGroup]" = weakref.WeakSet()  # the groups told to keep
-_hooked = [False]
-
-
-def drop_kept_at_steps(group: CompiledGroup) -> None:
-    """From now on every optimizer step over ``group``'s parameters drops what it kept."""
-    _KEEPING.add(group)
-    if not _hooked[0]:
-        # After local_step's hooks (fully_shard installed them): its post-step hook swaps the local
-        # tensors back for the DTensors that ``registered()`` holds; before it, the step's param
-        # groups hold plain tensors and no group would match.
-        register_optimizer_step_post_hook(_stale)
-        _hooked[0] = True
-
-
-def _stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    held = {id(p) for opt_group in optimizer.param_groups for p in opt_group["params"]}
-    for group in list(_KEEPING):
-        if any(id(param) in held for param in group.registered()):
-            group.drop_kept()
 
 
 def _to_param(group: CompiledGroup, i: int, leaf: torch.Tensor) -> None:

@@ -15,15 +15,16 @@ from typing import Any
 import torch.nn as nn
 
 from shardkit.compiled import unused
-from shardkit.compiled.group import CompiledGroup, drop_kept_at_steps
-from shardkit.module import FSDPModule, UnshardHandle
-from shardkit.state import state_of
+from shardkit.compiled.group import CompiledGroup
+from shardkit.core import steps
+from shardkit.core.module import FSDPModule, UnshardHandle, unavailable
+from shardkit.core.setup import state_of
 
 
 class CompiledFSDPModule(FSDPModule):
     """What ``shardkit.compiled.fully_shard`` makes a module's class also derive from."""
 
-    _orig_cls_mro_index = 4  # (FSDPFoo, CompiledFSDPModule, FSDPModule, torch's FSDPModule, Foo)
+    mode, other_mode = "compiled", "shardkit.fully_shard (eager)"
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         for group in _groups(self, recurse=True):
@@ -36,9 +37,9 @@ class CompiledFSDPModule(FSDPModule):
         return self.__dict__["_shardkit_state"]
 
     def _get_fsdp_state(self) -> Any:
-        _unavailable(f"_get_fsdp_state ({type(self).__name__}'s FSDP2 runtime state)", "compiled mode runs in the graph and keeps no such state")
+        unavailable(self, f"_get_fsdp_state ({type(self).__name__}'s FSDP2 runtime state)", "compiled mode runs in the graph and keeps no such state")
 
-    def _shardkit_forward_method(self, method_name: str) -> None:
+    def _register_forward_method(self, method_name: str) -> None:
         """``register_fsdp_forward_method``: the method gathers the group's parameters as forward does."""
         from shardkit.compiled import gathering
 
@@ -60,10 +61,6 @@ class CompiledFSDPModule(FSDPModule):
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
         self._shardkit().divide_factor = float(factor)
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """FSDP2's older name of ``set_gradient_divide_factor``."""
-        self.set_gradient_divide_factor(factor)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward keeps the unsharded gradients (summed in ``reduce_dtype``, no
@@ -108,7 +105,7 @@ class CompiledFSDPModule(FSDPModule):
             group.reshard_after_backward = bool(reshard_after_backward)
             for b in range(len(group.buckets)) if not reshard_after_backward else ():
                 group.kept_leaf(b)  # made here, outside any compiled region
-            drop_kept_at_steps(group)
+            steps.watch(group)  # an optimizer step over its parameters drops what it kept
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Accepted; no effect: the graph all-gathers the group at its forward, overlapped
@@ -125,10 +122,10 @@ class CompiledFSDPModule(FSDPModule):
         """Accepted; no effect: the graph runs on the stream the optimizer ran on."""
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
-        _unavailable("set_modules_to_forward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
+        unavailable(self, "set_modules_to_forward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
-        _unavailable("set_modules_to_backward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
+        unavailable(self, "set_modules_to_backward_prefetch", "the graph's own schedule prefetches the next group (shardkit.compiled.overlap)")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2's private knob (torch's pipelining sets it): the graph never waits early."""
@@ -160,27 +157,6 @@ def following_register_parameter(group: CompiledGroup, base: type, names: set[st
             follow_registered(group)
 
     return register_parameter
-
-
-def _unsupported_method(name: str):
-    def method(self: CompiledFSDPModule, *args: Any, **kwargs: Any) -> None:
-        _unavailable(name, "compiled mode does not take it")
-
-    method.__name__ = name
-    method.__doc__ = f"Raises: compiled mode does not take ``{name}``; use shardkit.fully_shard (eager)."
-    return method
-
-
-for _name in ("set_unshard_in_backward", "set_lockstep", "set_manual_backward_finalization",
-              "finalize_backward", "set_all_reduce_hook", "set_custom_all_gather", "set_custom_reduce_scatter",
-              "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
-              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
-              "set_reduce_scatter_unused_params"):
-    setattr(CompiledFSDPModule, _name, _unsupported_method(_name))
-
-
-def _unavailable(what: str, why: str) -> None:
-    raise NotImplementedError(f"shardkit.compiled: {what} is not available in compiled mode ({why}); use shardkit.fully_shard (eager) for it.")
 
 
 def _groups(module: CompiledFSDPModule, recurse: bool) -> list[CompiledGroup]:

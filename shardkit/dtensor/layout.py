@@ -23,7 +23,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from shardkit import versions
 from shardkit.dtensor.placements import local_rows, padded_rows, with_size
-from shardkit.options import ParamOptions
+from shardkit.core.options import ParamOptions
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from shardkit.dtensor import extension
 from shardkit.dtensor.layout import Layout, layout_of
 from shardkit.dtensor.placements import sharded_spec, to_dtensor
 from shardkit.dtensor.storage import free_storage
-from shardkit.options import ParamOptions
+from shardkit.core.options import ParamOptions
 
 
 @dataclass(frozen=True)

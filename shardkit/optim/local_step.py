@@ -40,38 +40,18 @@ _ELEMENTWISE = tuple(
 _swapped: dict[int, tuple[list, list]] = {}
 _installed = False
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers looked at once
-# Every ParamGroup (param_group.py): any optimizer step makes the data they gathered stale.
-groups: weakref.WeakSet = weakref.WeakSet()
-
-
-def report_steps_to(group) -> None:
-    """Tell ``group`` (a ``ParamGroup``) of every optimizer step over its parameters, through
-    its ``shards_changed()``."""
-    install_once()
-    groups.add(group)
 
 
 def install_once() -> None:
-    """Register the process-wide step hooks (from the first ``fully_shard`` call)."""
+    """Register the process-wide step hooks (core/steps.py calls it at the first ``fully_shard``,
+    before its own staleness hook, which must see the DTensors that ``_to_dtensor`` swaps back)."""
     global _installed
     if not _installed:
         register_optimizer_step_pre_hook(_warn_if_built_before_fully_shard)
         if os.environ.get("SHARDKIT_LOCAL_OPTIM", "1") != "0":
             register_optimizer_step_pre_hook(_to_local)
             register_optimizer_step_post_hook(_to_dtensor)
-        register_optimizer_step_post_hook(_gathered_data_is_stale)  # after _to_dtensor: it sees the DTensors
         _installed = True
-
-
-def _gathered_data_is_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    # torch's foreach and fused optimizers do not bump version counters: this hook is the signal.
-    # Only for the groups whose parameters this optimizer holds: under torch's threaded process
-    # group every rank's groups live in this process, and another rank's step must not make
-    # this rank gather again (an all-gather the other ranks do not issue: a hang).
-    held = {id(p) for opt_group in optimizer.param_groups for p in opt_group["params"]}
-    for group in list(groups):
-        if group.initialized and any(id(p.sharded_param) in held for p in group.params):
-            group.shards_changed()
 
 
 def _warn_if_built_before_fully_shard(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

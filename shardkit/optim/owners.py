@@ -39,7 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardkit.comm import check, trace
 from shardkit.comm.streams import Collective, Handle, streams_for
 from shardkit.comm.collectives import backend_of
-from shardkit.meshes import mesh_device
+from shardkit.core.meshes import mesh_device
 
 Index = tuple  # per tensor dim: a slice, or a LongTensor of the positions held (strided shards)
 

@@ -237,7 +237,7 @@ def apply_plan(model: nn.Module, p: Plan, mesh=None, **fully_shard_kwargs) -> nn
     """Shard ``model`` as ``p`` says: each group with its ``reshard_after_forward``, then the
     root, and explicit prefetch lists for the plan's depth. ``fully_shard_kwargs`` (e.g.
     ``mp_policy``) go to every call; the plan's dtypes are not applied for you."""
-    from shardkit.api import fully_shard
+    from shardkit.eager.api import fully_shard
 
     modules = {name: model.get_submodule(name) for name in (g.name for g in p.groups if g.name)}
     for g in p.groups:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardkit.dtensor.layout import Layout, layout_of
-from shardkit.options import ParamOptions
+from shardkit.core.options import ParamOptions
 
 GiB = 1024**3
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardkit.tensors import iter_tensors
+from shardkit.core.tensors import iter_tensors
 
 
 @dataclass

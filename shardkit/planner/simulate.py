@@ -29,7 +29,7 @@ import torch
 
 from shardkit.planner.model import GroupInfo, ParamInfo
 from shardkit.planner.profile import Profile
-from shardkit.schedule import MAX_REDUCING
+from shardkit.eager.schedule import MAX_REDUCING
 
 KINDS = ("unsharded parameters", "gradient buffers", "all-gather buffers", "sharded gradients")
 

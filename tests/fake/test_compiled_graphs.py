@@ -22,7 +22,7 @@ import shardkit.compiled
 from tests.conftest import fake_world
 from shardkit.models.gpt import GPT, GPTConfig, apply_fully_shard
 from shardkit.memtrack import MemTracker
-from shardkit.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 WORLD = 8
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=65)  # 3 groups: 2 blocks, root

@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardkit
 import shardkit.compiled
 from shardkit.compiled import CompiledFSDPModule
+from shardkit.core.setup import user_class
+from shardkit.eager.module import EagerFSDPModule
 from tests.conftest import fake_world
 from tests.fake.test_compiled_graphs import Recording, batch, gpt, graph_collectives
 
@@ -29,14 +31,19 @@ RAISING = {"set_unshard_in_backward": (True,), "set_lockstep": (), "set_manual_b
 
 def test_a_compiled_module_is_an_fsdp_module_whose_every_method_is_its_own():
     """isinstance against shardkit's and torch's FSDPModule holds (code that walks a model for FSDP
-    modules finds them), and no method falls through to eager mode's implementation."""
+    modules finds them); the interface declares every public method of torch's FSDPModule, and
+    compiled mode implements its own or raises: no method comes from eager mode's implementation."""
     with fake_world(8) as mesh:
         model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
     assert isinstance(model, shardkit.FSDPModule) and isinstance(model, torch.distributed.fsdp.FSDPModule)
-    methods = {n for n, v in vars(shardkit.FSDPModule).items() if callable(v) and not n.startswith("__")} - {"_shardkit", "_apply"}
+    assert not isinstance(model, EagerFSDPModule) and not issubclass(CompiledFSDPModule, EagerFSDPModule)
+    torch_methods = {n for n, v in vars(torch.distributed.fsdp.FSDPModule).items() if callable(v) and not n.startswith("__")}
+    methods = {n for n, v in vars(shardkit.FSDPModule).items() if callable(v) and not n.startswith("__")} - {"_shardkit", "_register_forward_method"}
+    assert torch_methods - {"_apply"} <= methods
     assert methods == WORKING | set(RAISING), methods ^ (WORKING | set(RAISING))
-    assert all(n in vars(CompiledFSDPModule) for n in methods)
-    assert type(model.blocks[0]).__name__ == "FSDPBlock" and type(model.blocks[0]).__mro__[4].__name__ == "Block"
+    assert all(n in vars(CompiledFSDPModule) for n in WORKING - {"set_reduce_scatter_divide_factor"})
+    assert not any(n in vars(CompiledFSDPModule) for n in RAISING if n not in ("set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "_get_fsdp_state"))
+    assert type(model.blocks[0]).__name__ == "FSDPBlock" and user_class(type(model.blocks[0])).__name__ == "Block"
 
 
 def test_without_sync_backward_keeps_the_unsharded_gradient_and_the_next_sync_reduces_it():
@@ -116,19 +123,19 @@ def test_not_resharding_after_backward_keeps_the_gathered_rows_until_the_shards_
 
 
 def test_an_optimizer_step_drops_what_was_kept_whichever_mode_hooked_the_steps_first(monkeypatch):
-    """Compiled mode's step hook must see the DTensors it holds: eager mode's swap of each
-    shard for its local tensor during the step (shardkit/optim/local_step.py) is undone by a
-    post-step hook, so compiled mode's must come after it even when the first model sharded in
+    """The staleness hook (shardkit/core/steps.py) must see the DTensors a group holds: the swap of
+    each shard for its local tensor during the step (shardkit/optim/local_step.py) is undone by a
+    post-step hook, so the staleness hook must come after it even when the first model sharded in
     the process is a compiled one told to keep and an eager one follows. (Process-wide hooks:
     reset here so that this order is built whatever ran before.) Run without torch.compile."""
     from torch.optim import optimizer as torch_optimizer
 
-    from shardkit.compiled import group as compiled_group
+    from shardkit.core import steps
     from shardkit.optim import local_step
 
     monkeypatch.setattr(torch_optimizer, "_global_optimizer_pre_hooks", type(torch_optimizer._global_optimizer_pre_hooks)())
     monkeypatch.setattr(torch_optimizer, "_global_optimizer_post_hooks", type(torch_optimizer._global_optimizer_post_hooks)())
-    monkeypatch.setattr(compiled_group, "_hooked", [False])
+    monkeypatch.setattr(steps, "_installed", False)
     monkeypatch.setattr(local_step, "_installed", False)
     with fake_world(8) as mesh:
         sharded = gpt(shardkit.compiled.fully_shard, mesh=mesh)

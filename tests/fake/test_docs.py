@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardkit.state import render_rules
+from shardkit.eager.state import render_rules
 from tests.fake.test_prefetch import schedule, sharded, step
 from tests.fake.test_trace import traced_step
 from tests.conftest import fake_world

@@ -14,8 +14,8 @@ import shardkit
 from shardkit import FSDPModule, fully_shard
 from shardkit.comm import collectives, sim
 from shardkit.comm.streams import Handle
-from shardkit.lockstep import Lockstep
-from shardkit.param_group import Holding
+from shardkit.eager.lockstep import Lockstep
+from shardkit.eager.param_group import Holding
 from tests.conftest import TanhStack, fake_world
 from tests.gloo.extension_tensors import UserComm
 
@@ -204,7 +204,7 @@ def test_set_force_sum_reduction_for_comms_before_the_first_forward(mesh8, monke
 
 @pytest.mark.parametrize("method", ["set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"])
 def test_set_allocator_knobs_warn_once_that_they_have_no_effect_and_change_nothing(method):
-    from shardkit import module
+    from shardkit.core import module
 
     module._warned.clear()
     with fake_world(4) as mesh:
@@ -308,7 +308,7 @@ def test_set_lockstep_on_hsdp_issues_the_same_collectives_whenever_reduce_scatte
     is done: if that landed before the next token on one rank and after it on another, the two
     would meet a different collective (make fuzz: lockstep-hsdp-hang.json hung). The order seen
     on the default group must not depend on when the reduce-scatters complete."""
-    import shardkit.lockstep as lockstep_module
+    import shardkit.eager.lockstep as lockstep_module
     from shardkit.comm import streams
 
     order: list[str] = []

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import shardkit
 from shardkit import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from shardkit.param_group import Holding
+from shardkit.eager.param_group import Holding
 from tests.conftest import TanhStack, fake_world
 
 BF16 = torch.bfloat16

@@ -7,7 +7,7 @@ from expecttest import assert_expected_inline
 import shardkit
 from shardkit import fully_shard
 from shardkit.comm.streams import Handle
-from shardkit.param_group import Holding
+from shardkit.eager.param_group import Holding
 from tests.conftest import TanhStack, fake_world
 
 

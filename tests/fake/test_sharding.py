@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardkit
 from shardkit import FSDPModule, fully_shard
 from shardkit.dtensor.placements import chunk_sizes
-from shardkit.param_group import Holding
+from shardkit.eager.param_group import Holding
 from tests.conftest import fake_world
 
 

@@ -15,7 +15,7 @@ from shardkit import fully_shard
 from shardkit.comm import sim
 from shardkit.comm.sim import StreamRace
 from shardkit.comm.streams import DeviceStreams, Handle
-from shardkit.param_group import ParamGroup, Holding
+from shardkit.eager.param_group import ParamGroup, Holding
 from tests.conftest import TanhStack, fake_world
 
 

@@ -12,7 +12,7 @@ from tests.fuzz.fuzz import spawn_gloo
 
 pytestmark = pytest.mark.subprocess
 
-# 20261201's stream reached the lockstep/HSDP hang (fixed: shardkit/lockstep.py finishes each
+# 20261201's stream reached the lockstep/HSDP hang (fixed: shardkit/eager/lockstep.py finishes each
 # round's reductions; tests/fake/test_knobs.py::test_set_lockstep_on_hsdp_issues_the_same_collectives_whenever_reduce_scatters_complete).
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
 EXAMPLES = int(os.environ.get("FUZZ_GLOO_EXAMPLES", "45"))

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._dynamo.utils import counters
 
-import shardkit.hooks
+import shardkit.eager.hooks
 from gloo_harness import Checks, run_worker
 from gloo_parity import FULLY_SHARD, Parity
 
@@ -129,7 +129,7 @@ def hook_signatures(impl: str) -> list[tuple[str, ...]]:
     """How dynamo names the hook it stops at, in its graph-break reason: one tuple of texts
     per wording, all of which the reason holds."""
     if impl == "shardkit":  # the torch.compiler.disable'd hooks themselves
-        return [(repr(f),) for f in (shardkit.hooks.pre_forward, shardkit.hooks.post_forward)]
+        return [(repr(f),) for f in (shardkit.eager.hooks.pre_forward, shardkit.eager.hooks.post_forward)]
     return list(FSDP2_HOOK_BREAKS)
 
 

@@ -16,7 +16,7 @@ import torch
 from compiled_parity import STEPS, assert_same_bits, shard, train
 from gloo_harness import Checks, run_worker
 from gloo_parity import Parity, gpt_batches, gpt_loss, one_block_gpt, small_gpt
-from shardkit.policies import MixedPrecisionPolicy
+from shardkit.core.policies import MixedPrecisionPolicy
 
 checks = Checks(compiling=True)  # torch.compile: ranks compile each graph apart (gloo_harness.COMPILING_CHECK_TIMEOUT_S)
 
@@ -66,11 +66,11 @@ def fsdp_module_settings_match_eager_shardkit_bit_for_bit(mesh, impl):
     """set_gradient_divide_factor and set_reshard_after_forward, called on the modules as an
     FSDP2 user would (after fully_shard, before compiling): the same bits as eager shardkit
     with the same calls."""
-    import shardkit.module
+    import shardkit.core.module
 
     def configure(model):
         for m in model.modules():
-            if isinstance(m, shardkit.module.FSDPModule):
+            if isinstance(m, shardkit.core.module.FSDPModule):
                 m.set_gradient_divide_factor(3.0)
         model.set_reshard_after_forward(False)
         return model

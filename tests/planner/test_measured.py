@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import shardkit
 from shardkit import MixedPrecisionPolicy
 from shardkit.memtrack import MemTracker
-from shardkit.param_group import ParamGroup
+from shardkit.eager.param_group import ParamGroup
 from shardkit.planner.workload import _default_loss
 from tests.conftest import TanhStack, fake_world
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardkit
 from shardkit import MixedPrecisionPolicy, fully_shard
 from shardkit.planner.simulate import persistent_state, simulate
-from shardkit.state import state_of
+from shardkit.core.setup import state_of
 from tests.conftest import TanhStack, fake_world
 
 DIM = 8

@@ -1,8 +1,8 @@
 import pytest
 from expecttest import assert_expected_inline
 
-from shardkit.schedule import Schedule
-from shardkit.state import RULES, Action, Event, IllegalTransition, Phase, render_rules, rule_for
+from shardkit.eager.schedule import Schedule
+from shardkit.eager.state import RULES, Action, Event, IllegalTransition, Phase, render_rules, rule_for
 
 
 def test_rules_table_is_pinned():

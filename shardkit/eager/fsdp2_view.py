@@ -31,8 +31,8 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
-from shardkit import hooks
-from shardkit.state import GroupState
+from shardkit.eager import hooks
+from shardkit.eager.state import GroupState
 
 
 class StateView:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardkit.options import GroupOptions, RootOptions
-from shardkit.param_group import ParamGroup
-from shardkit.policies import MixedPrecisionPolicy
+from shardkit.core.options import GroupOptions, RootOptions
+from shardkit.eager.param_group import ParamGroup
+from shardkit.core.policies import MixedPrecisionPolicy
 
 
 class Phase(enum.Enum):
@@ -274,16 +274,6 @@ class GroupState:
 
     def __repr__(self) -> str:
         return f"GroupState({self.name or '<root>'!r}, {self.step.phase.value})"
-
-
-def state_of(module: nn.Module) -> GroupState | None:
-    return module.__dict__.get("_shardkit_state")
-
-
-def class_name(module: nn.Module) -> str:
-    """The user's class name, without the ``FSDP`` subclass that fully_shard swaps in."""
-    cls = type(module)
-    return cls.__mro__[cls._orig_cls_mro_index].__name__ if state_of(module) is not None else cls.__name__
 
 
 def under_another_root(state: GroupState) -> bool:

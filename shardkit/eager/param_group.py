@@ -47,8 +47,8 @@ from shardkit.comm.buckets import Bucket, GatherBucket, reduce_buckets
 from shardkit.comm.collectives import Comm, PendingAllGather, Reduction, ReduceSettings
 from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam
-from shardkit.optim import local_step
-from shardkit.options import GroupOptions
+from shardkit.core import steps
+from shardkit.core.options import GroupOptions
 
 
 def _outside_inference_mode(method: Callable) -> Callable:
@@ -165,7 +165,7 @@ class ParamGroup:
         self.gathered_version: int | None = None  # the shards' version when gathered; None: stale or none
         self.all_gathers: list[PendingAllGather] = []  # issued, not yet waited for
         self.reducing = Reducing()  # where our reductions in flight are recorded: the root's, from lazy init
-        local_step.report_steps_to(self)  # an optimizer step makes gathered data stale: shards_changed
+        steps.watch(self)  # an optimizer step makes gathered data stale: shards_changed
 
     def named(self, name: str) -> None:
         """Lazy init: the owning modules' FQNs under the root, for the trace and errors."""
@@ -174,6 +174,10 @@ class ParamGroup:
     def reduce_into(self, reducing: "Reducing") -> None:
         """Lazy init: record our reductions in the root's ``Reducing``, with every other group's."""
         self.reducing = reducing
+
+    def holds_any(self, ids: set[int]) -> bool:
+        """Whether an optimizer stepping on the parameters ``ids`` steps on ours (core/steps.py)."""
+        return self.initialized and any(id(p.sharded_param) in ids for p in self.params)
 
     def shards_changed(self) -> None:
         """An optimizer stepped on our shards: data gathered before is stale."""

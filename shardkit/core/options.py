@@ -92,7 +92,7 @@ class RootOptions:
 
     is_last_backward: bool = True  # False: the next backward is not the last of the step (microbatches)
     manual_finalization: bool = False  # set_manual_backward_finalization: finalize_backward() ends the step's backward
-    lockstep: bool = False  # agree on every collective first (shardkit/lockstep.py)
+    lockstep: bool = False  # agree on every collective first (shardkit/eager/lockstep.py)
     post_optim_event: Any = None  # the next forward's all-gathers wait for it, then drop it
 
     # Set by the root's FSDPModule.set_* (module.py) and root.set_lockstep, through these only.

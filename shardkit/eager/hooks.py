@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardkit.root import lazy_init
-from shardkit.schedule import Call
-from shardkit.state import GroupState
-from shardkit.tensors import cast_floating
+from shardkit.eager.root import lazy_init
+from shardkit.eager.schedule import Call
+from shardkit.eager.state import GroupState
+from shardkit.core.tensors import cast_floating
 
 
 def install(state: GroupState) -> None:

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from shardkit.comm.collectives import _all_gather_single
-from shardkit.schedule import Direct, Schedule
-from shardkit.state import Event, GroupState, Phase
+from shardkit.eager.schedule import Direct, Schedule
+from shardkit.eager.state import Event, GroupState, Phase
 
 DONE, NOTHING = -1, -2
 GATHER, REDUCE = 0, 1  # token = 2 * group index + kind

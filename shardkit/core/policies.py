@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from shardkit.options import ParamOptions
+from shardkit.core.options import ParamOptions
 
 
 @dataclass(frozen=True)

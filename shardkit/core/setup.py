@@ -1,24 +1,22 @@
-"""fully_shard(): validate, collect the parameters, shard them, install the hooks (compiled/: the first three)."""
+"""The set-up both modes share: find what a ``fully_shard`` call manages, shard it, register
+the sharded parameters, and swap the module's class (eager/api.py and compiled/__init__.py
+call these in the same order)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
-from shardkit import fsdp2_view, hooks, meshes
+from shardkit.core import meshes
+from shardkit.core.options import ParamOptions
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
-from shardkit.module import FSDPModule, accept_full_tensors
-from shardkit.options import GroupOptions, ParamOptions
-from shardkit.param_group import MeshPart, ParamGroup
-from shardkit.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
-from shardkit.state import GroupState, class_name, state_of
 
 
 class AlreadyShardedError(ValueError, AssertionError):
@@ -41,75 +39,19 @@ class ShardPlacementResult:
     mesh_info: Any
 
 
-def fully_shard(
-    module: nn.Module | list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
-    ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: meshes.DataParallelMeshDims | None = None,
-):
-    """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
+def state_of(module: nn.Module) -> Any:
+    """The state ``fully_shard`` left on ``module`` (either mode's), or None."""
+    return module.__dict__.get("_shardkit_state")
 
-    A drop-in for ``torch.distributed.fsdp.fully_shard``: call it on each block, then on the
-    root. Every parameter of ``module`` not already managed by an inner call (and not in
-    ``ignored_params``) becomes an ``nn.Parameter`` holding a ``Shard(0)`` DTensor over the
-    1-D ``mesh`` (default: all ranks), or ``(Replicate(), Shard(0))`` over a 2-D mesh (HSDP:
-    replicated over dim 0, sharded over dim 1); ``shard_placement_fn`` may pick ``Shard(d)``
-    per parameter, and with a ``ShardPlacementResult`` a mesh of its own (MoE experts over an
-    expert-FSDP mesh). They form ONE group, all-gathered in one collective (per mesh) before
-    forward and backward and reduce-scattered in one collective (per mesh) after backward.
-    With ``dp_mesh_dims``, ``mesh`` is a full SPMD mesh (e.g. ``("dp_replicate",
-    "dp_shard", "tp")``) on which the parameters already are DTensors, replicated over the
-    data-parallel dims it names; fully_shard shards them over those dims.
-    ``reshard_after_forward`` frees the gathered parameters after forward (default: True
-    except for the root); an int R keeps 1/R of them so that backward gathers among R
-    ranks only. ``mp_policy`` sets the dtypes of the all-gather/compute and of the gradient
-    reduction; ``CPUOffloadPolicy`` keeps the shards and gradients on the CPU. A list of
-    modules makes one group of all of them.
 
-    Example::
+def user_class(cls: type) -> type:
+    """The user's class under the ones ``subclass`` made (``FSDPBlock`` -> ``Block``)."""
+    return next(c for c in cls.__mro__ if not c.__dict__.get("_shardkit_generated") and not issubclass(c, _TorchFSDPModule))
 
-        from shardkit import fully_shard
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model(x).sum().backward(); optim.step()
 
-    Returns the module (its class now also an ``FSDPModule``), or the list of modules.
-    """
-    modules = _check_modules(module)
-    mesh = meshes.default_mesh() if mesh is None else mesh
-    meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None)
-    spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
-    dp_mesh = spmd.dp_mesh if spmd is not None else mesh
-    reshard, post_forward_mesh = meshes.check_reshard_after_forward(reshard_after_forward, dp_mesh, spmd=spmd is not None)
-    mp_policy, options = check_policies(mp_policy, offload_policy)
-    found = collect(modules, ignored_params)
-    device = meshes.mesh_device(mesh)
-    sharded = shard_params(found, options, dp_mesh, device, shard_placement_fn, spmd)
-    by_mesh: dict[Any, tuple[DeviceMesh, list[ShardedParam]]] = {None: (dp_mesh, [])}  # None: fully_shard's mesh
-    for p in sharded.values():
-        by_mesh.setdefault(_mesh_key(p.mesh, dp_mesh), (p.mesh, []))[1].append(p)
-
-    def post_forward(m: DeviceMesh) -> DeviceMesh | None:  # reshard_after_forward=R, for each mesh
-        return post_forward_mesh if m is dp_mesh else meshes.check_reshard_after_forward(reshard_after_forward, m)[1]
-
-    options = GroupOptions(reshard)
-    parts = [MeshPart(ps, m, post_forward(m)) for m, ps in by_mesh.values() if ps]
-    group = ParamGroup(parts, options) if parts else None
-    state = GroupState(modules, group, options, mp_policy, device)
-    register_sharded(state, sharded, found)
-    hooks.install(state)
-    for m in state.modules:
-        m.__dict__["_shardkit_state"] = state
-        m.__class__ = _fsdp_class(type(m))
-        fsdp2_view.register(m, state)
-    return module
+def class_name(module: nn.Module) -> str:
+    """The user's class name, without the ``FSDP`` subclass that fully_shard swaps in."""
+    return user_class(type(module)).__name__
 
 
 @dataclass
@@ -136,7 +78,7 @@ def shard_params(found: Found, options: ParamOptions, mesh: DeviceMesh, device: 
     policy, sharded = options.mp_policy, {}
     for p, s in found.slots.items():
         dim, param_mesh = _placement(p, s, placement_fn)
-        param_mesh = mesh if param_mesh is None or _mesh_key(param_mesh, mesh) is None else param_mesh
+        param_mesh = mesh if param_mesh is None or mesh_key(param_mesh, mesh) is None else param_mesh
         own = options
         if policy.param_dtype_override_fn is not None:
             own = dataclasses.replace(options, param_dtype=policy.param_dtype_for(p, f"'{s[0].name}' of {class_name(s[0].module)}"))
@@ -144,22 +86,23 @@ def shard_params(found: Found, options: ParamOptions, mesh: DeviceMesh, device: 
     return sharded
 
 
-def register_sharded(state: Any, sharded: dict[nn.Parameter, ShardedParam], found: Found) -> None:
-    """Register the sharded parameters (and the borrowed, tied ones); link the nested calls to ``state``."""
+def register_sharded(state: Any, sharded: dict[nn.Parameter, ShardedParam], found: Found, unsharded: Callable[[Any], bool]) -> None:
+    """Register the sharded parameters in every slot, the borrowed (tied) ones in this call's
+    slots too (``unsharded(owner)``: whether the owner's group holds them gathered now), and
+    link the nested calls to ``state``."""
     for original, p in sharded.items():  # later calls may meet the original again (tied weights)
         original._shardkit_shared = (p, state)
         original._shardkit_replaced = True  # see optim/local_step.py: an optimizer holding it warns
         p.put_on_modules(p.sharded_param)
-    for (p, owner), more_slots in found.borrowed.items():  # weights tied across groups stay in the owner's
-        p.add_slots(more_slots, unsharded=owner.group is not None and owner.group.is_unsharded)
-        state.tied.borrow_from(state, owner)
+    for (p, owner), more_slots in found.borrowed.items():  # weights tied across calls stay in the owner's
+        p.add_slots(more_slots, unsharded=unsharded(owner))
     own = [(slot, p) for p in sharded.values() for slot in p.slots]
     accept_full_tensors(own + [(slot, p) for (p, _), more in found.borrowed.items() for slot in more])
     for inner in found.nested:
         inner.nest_in(state)
 
 
-def _check_modules(module: Any) -> tuple[nn.Module, ...]:
+def check_modules(module: Any) -> tuple[nn.Module, ...]:
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"fully_shard expects an nn.Module or a non-empty list of them, got {module!r}")
@@ -192,11 +135,11 @@ def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[n
     return ignored
 
 
-def _managed_modules(modules: tuple[nn.Module, ...]) -> tuple[list[nn.Module], list[GroupState]]:
+def _managed_modules(modules: tuple[nn.Module, ...]) -> tuple[list[nn.Module], list[Any]]:
     """Modules whose parameters this call manages: all below ``modules``, stopping at inner
     fully_shard modules (those are returned as the nested states)."""
     managed: list[nn.Module] = []
-    nested: list[GroupState] = []
+    nested: list[Any] = []
     seen: set[nn.Module] = set()
 
     def visit(m: nn.Module) -> None:
@@ -264,7 +207,7 @@ def _placement(p: nn.Parameter, slots: list[ParamSlot], placement_fn) -> tuple[i
     return dim, mesh
 
 
-def _mesh_key(mesh: DeviceMesh, default: DeviceMesh) -> tuple | None:
+def mesh_key(mesh: DeviceMesh, default: DeviceMesh) -> tuple | None:
     """Parameters whose meshes have the same ranks in the same layout share collectives; None:
     those of ``default``, fully_shard's own mesh. (Only parameters with a mesh of their own get
     here: laying a mesh out as ranks costs a few hundred microseconds.)"""
@@ -272,11 +215,6 @@ def _mesh_key(mesh: DeviceMesh, default: DeviceMesh) -> tuple | None:
         return (m.device_type, tuple(m.mesh.shape), tuple(m.mesh.flatten().tolist()))
 
     return None if mesh is default or layout(mesh) == layout(default) else layout(mesh)
-
-
-@functools.cache  # made once per class
-def _fsdp_class(cls: type) -> type:
-    return subclass(cls, {"__deepcopy__": _no_deepcopy}, FSDPModule)
 
 
 def subclass(cls: type, namespace: dict[str, Any], mixin: type | None = None) -> type:
@@ -289,5 +227,23 @@ def subclass(cls: type, namespace: dict[str, Any], mixin: type | None = None) ->
     return type(name, bases, {**namespace, "__module__": cls.__module__, "_shardkit_generated": True})
 
 
-def _no_deepcopy(*args: Any, **kwargs: Any) -> None:
-    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+def accept_full_tensors(slots: list[tuple[ParamSlot, ShardedParam]]) -> None:
+    """``load_state_dict`` with plain (full) tensors for sharded parameters: each rank keeps its
+    shard (FSDP2 makes the user distribute them first). A hook on each module that registers
+    one of them, run before that module loads its own entries."""
+    by_module: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    for slot, p in slots:
+        by_module.setdefault(slot.module, []).append((slot.name, p))
+
+    def hook_for(entries):
+        def hook(state_dict, prefix, *args):
+            for name, p in entries:
+                value = state_dict.get(prefix + name)
+                full_shape = p.tp_spec.shape if p.tp_spec is not None else p.shape
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == full_shape:
+                    state_dict[prefix + name] = p.shard_of_full(value)
+        return hook
+
+    for module, entries in by_module.items():
+        module._register_load_state_dict_pre_hook(hook_for(entries))

@@ -27,9 +27,9 @@ from torch.autograd import Variable
 
 from shardkit.comm import trace
 from shardkit.comm.streams import streams_for
-from shardkit.param_group import Holding, Reducing
-from shardkit.state import RULES, Event, GroupState, Phase, Shared, rule_for
-from shardkit.tensors import on_input_grads, on_output_grads, to_device
+from shardkit.eager.param_group import Holding, Reducing
+from shardkit.eager.state import RULES, Event, GroupState, Phase, Shared, rule_for
+from shardkit.core.tensors import on_input_grads, on_output_grads, to_device
 
 MAX_REDUCING = 2  # reduce-scatters in flight: this group's and the previous one's
 

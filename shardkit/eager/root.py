@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from shardkit.lockstep import Lockstep
-from shardkit.param_group import still_on_meta
-from shardkit.schedule import Direct, Schedule
-from shardkit.state import GroupState, Shared, class_name, state_of
+from shardkit.eager.lockstep import Lockstep
+from shardkit.eager.param_group import still_on_meta
+from shardkit.eager.schedule import Direct, Schedule
+from shardkit.core.setup import class_name, state_of
+from shardkit.eager.state import GroupState, Shared
 
 
 def lazy_init(root: GroupState) -> Schedule:
