@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.comm import check, trace
 from shardkit.comm.buckets import Bucket, GatherBucket
 from shardkit.comm.streams import Collective, Handle, Streams, call_on
+from shardkit.core.reduction import divide_factors
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -311,7 +312,7 @@ def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[fl
     (FSDP2's choice); not with ``set_force_sum_reduction_for_comms``. (A user's reduce-scatter is
     given the op; an all-reduce hook sees the chunk as the collectives left it, before any
     division: as FSDP2.)"""
-    pre, post = _divide_factors(how.divide_by, dtype)
+    pre, post = divide_factors(how.divide_by, dtype)
     comms = (comm,) if how.replicate is None else (comm, how.replicate)
     averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16) and not how.force_sum
     if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):
@@ -349,13 +350,3 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
     inputs = {"buffer": chunk, "partial sums": how.partial[0] if how.partial is not None else None}
     return streams.issue(Collective("all_reduce", name, traced, replicate is not None and replicate.at_once), inputs, launch, after=first)
 
-
-def _divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:
-    """(before, after) the sum. fp32/bf16/fp64: all after. Otherwise (fp16) about sqrt(factor)
-    before, a power of two, and the rest after (FSDP2's split)."""
-    if dtype in (torch.float32, torch.bfloat16, torch.float64):
-        return 1.0, factor
-    pre = 1
-    while factor % pre == 0 and factor / pre > pre:
-        pre *= 2
-    return float(pre), factor / pre

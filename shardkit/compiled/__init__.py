@@ -68,7 +68,6 @@ all-gather themselves, an int ``reshard_after_forward`` and tensor parallel.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch._dynamo
@@ -76,13 +75,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.compiled import overlap, region, unused
-from shardkit.compiled.gather import gather
+from shardkit.compiled.forwarding import gather_before_pre_hooks, gathering, param_property, registering_pre_hooks
 from shardkit.compiled.group import CompiledGroup, groups_alive
 from shardkit.compiled.module import CompiledFSDPModule, following_register_parameter
 from shardkit.core import meshes, setup
 from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardkit.core.setup import class_name, state_of
-from shardkit.core.tensors import cast_inputs, cast_output
 from shardkit.dtensor.sharded_param import ParamSlot, ShardedParam
 
 
@@ -121,10 +119,10 @@ def fully_shard(
     _check_self_gathered(own, reshard_after_forward if post_forward_mesh is not None else None)
     _check_dense_grads(own)
     owners = {len(own) + k: owner for k, (_, owner, _) in enumerate(borrowed)}
-    group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard, mp_policy, owners, post_forward_mesh)
+    group = CompiledGroup(modules, own + [p for p, _, _ in borrowed], dp_mesh, reshard, mp_policy, unused.Watch(), owners, post_forward_mesh)
     _check_owners(group, borrowed)
     for p, owner, _ in borrowed:
-        owner.lent.add(owner.params.index(p))
+        owner.lend(owner.params.index(p))
     overlap.GROUPS.update(comm.pg_name for comm in (group.shard, *(group.post_forward or ())))
     setup.register_sharded(group, sharded, found, unsharded=lambda owner: False)
     _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
@@ -156,7 +154,7 @@ def _room_for_graphs() -> None:
 def _side_effects_under_checkpoint() -> None:
     """Let dynamo trace a group's forward inside the user's ``torch.utils.checkpoint`` (around a
     block in the parent's forward, as transformers' ``gradient_checkpointing_enable`` does): the
-    forward sets and then clears which tensors its parameters read (``group.gathered``), Python
+    forward sets and then clears which tensors its parameters read (``group.forward``), Python
     state outside the checkpoint, which dynamo refuses to change there ("HOP: Unsafe side
     effect") unless ``skip_fwd_side_effects_in_bwd_under_checkpoint``: skip replaying such
     changes when backward recomputes the forward. Compiled mode's leave the state as they found
@@ -174,7 +172,7 @@ def _name_under(root: nn.Module, group: CompiledGroup) -> list[CompiledGroup]:
         if isinstance(inner, CompiledGroup) and inner.modules[0] is m:
             params.update((id(registered), p) for p, registered in zip(inner.params, inner.registered()))
             if inner is not group:
-                inner.name = fqn
+                inner.named(fqn)
                 inner_groups.append(inner)
     for fqn, param in reversed(list(root.named_parameters(remove_duplicate=False))):
         if id(param) in params:
@@ -250,112 +248,13 @@ def _install(group: CompiledGroup, borrowed: dict[int, list[ParamSlot]]) -> None
         m.__dict__["_shardkit_state"] = group
         m._register_load_state_dict_pre_hook(lambda *_: group.drop_kept())  # what a backward kept is stale
     for m, names in by_module.items():
-        namespace: dict[str, Any] = {name: _param_property(group, name, i) for name, i in names.items()}
+        namespace: dict[str, Any] = {name: param_property(group, name, i) for name, i in names.items()}
         namespace["register_parameter"] = following_register_parameter(group, type(m), set(names))
         if m in group.modules:
             namespace["forward"] = gathering(group, type(m).forward)
             namespace["_shardkit_plain_forward"] = type(m).forward  # what a region runs (region.py)
-            namespace["register_forward_pre_hook"] = _registering_pre_hooks(group, type(m))
+            namespace["register_forward_pre_hook"] = registering_pre_hooks(group, type(m))
         mixin = CompiledFSDPModule if m in group.modules else None  # None: a submodule, only its parameters' properties
         m.__class__ = setup.subclass(type(m), namespace, mixin)
         if m in group.modules and m._forward_pre_hooks:
-            _gather_before_pre_hooks(group, m)
-
-
-def _gatherer(group: CompiledGroup, module: nn.Module) -> int:
-    """Which of the group's modules gathers it. A group of several modules that each gather it
-    in one graph (called outside their parent's forward, or a group without a parent) gathers
-    the same way twice: AOTAutograd's CSE then merges the second gather into the first across
-    their two checkpoints, and its partitioner fails ("failed to partition the joint
-    forward-backward graph": it must save at that boundary the copy-out's list of outputs).
-    ``gather._bucket_gathered`` views the first shard by this index, which keeps them apart."""
-    return group.modules.index(module) if len(group.modules) > 1 else 0
-
-
-def _param_property(group: CompiledGroup, name: str, i: int) -> property:
-    def get(module: nn.Module) -> Any:
-        return unused.reading(group, i) if group.gathered is not None else module._parameters[name]
-
-    return property(get)
-
-
-def _begin(group: CompiledGroup, module: nn.Module) -> None:
-    unused.forward_begins(group)
-    if group.gathered is None:  # (else kept by an earlier module of a spanning group, in this forward of its parent)
-        group.gathered, group.marks = gather(group, _gatherer(group, module))
-
-
-def _registering_pre_hooks(group: CompiledGroup, base: type) -> Any:
-    """``register_forward_pre_hook`` of one of the group's modules: the group gathers before
-    the module's pre-hooks, whenever they were registered (``prepend`` too)."""
-
-    def register_forward_pre_hook(self: nn.Module, hook: Any, *, prepend: bool = False, with_kwargs: bool = False) -> Any:
-        handle = base.register_forward_pre_hook(self, hook, prepend=prepend, with_kwargs=with_kwargs)
-        _gather_before_pre_hooks(group, self)
-        return handle
-
-    return register_forward_pre_hook
-
-
-def _gather_before_pre_hooks(group: CompiledGroup, module: nn.Module) -> None:
-    """FSDP2 unshards a module's parameters in a forward pre-hook registered first, so the
-    module's own pre-hooks read them unsharded: the hook-based ``nn.utils.spectral_norm`` and
-    ``weight_norm`` compute the weight there from ``weight_orig`` or ``weight_g``/``weight_v``.
-    Compiled mode gathers inside forward, after the hooks; a module of the group with forward
-    pre-hooks gets one more, first of all, that gathers (and casts the inputs) instead. Modules
-    without pre-hooks get none (a hook costs dynamo's trace and each eager call some time)."""
-    old = module.__dict__.pop("_shardkit_pre_hook", None)
-    if old is not None:
-        old.remove()
-    hook = functools.partial(_gather_early, group)
-    module.__dict__["_shardkit_pre_hook"] = nn.Module.register_forward_pre_hook(module, hook, prepend=True, with_kwargs=True)
-
-
-def _gather_early(group: CompiledGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    if group.running:  # re-entry, as in gathering_forward
-        return None
-    if not group.scoped:
-        group.gathered, group.marks = None, []  # (left by a call whose later pre-hook raised: stale)
-    _begin(group, module)
-    group.begun = True  # gathering_forward: gathered, and not as a region
-    return cast_inputs(group.mp_policy, args, kwargs)
-
-
-def gathering(group: CompiledGroup, forward: Any) -> Any:
-    """``forward`` (or a method given to ``register_fsdp_forward_method``) with the group's
-    parameters gathered while it runs."""
-
-    def gathering_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = cast_inputs(group.mp_policy, args, kwargs)
-        if group.running:  # re-entry: another module of the group, called inside this one
-            output = forward(self, *args, **kwargs)
-        elif (not group.begun and group.region and forward is type(self)._shardkit_plain_forward and region.callable_with(args, kwargs)
-              and region.allowed_here()):
-            output = region.run(group, self, args, kwargs)
-        else:
-            if group.begun:  # gathered before the module's forward pre-hooks
-                group.begun = False
-            else:
-                _begin(group, self)
-            group.running = True
-            for child in group.spanning:
-                child.scoped = True
-            try:
-                output = forward(self, *args, **kwargs)
-            finally:
-                group.running = False
-                if not group.scoped:
-                    group.gathered, group.marks = None, []
-                for child in group.spanning:
-                    child.scoped, child.gathered, child.marks = False, None, []
-            unused.forward_ends(group, self)
-        return cast_output(group.mp_policy, output)
-
-    # Its own code object: dynamo keeps a function's compiled graphs on its code object and
-    # stops compiling it at ``recompile_limit`` (8) graphs. A graph guards on the identity of
-    # the group it gathers, so each model compiled in the process added one graph to the one
-    # shared code object, and the ninth failed (fullgraph=True) or ran its root eagerly. With a
-    # code object per group, each model's root frame keeps its own graphs, as the unsharded
-    # model's forward keeps one for all its instances.
-    gathering_forward.__code__ = gathering_forward.__code__.replace()
-    return gathering_forward
+            gather_before_pre_hooks(group, m)

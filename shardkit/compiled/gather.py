@@ -12,8 +12,8 @@ from torch._library.effects import EffectType
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardkit.comm import trace
-from shardkit.comm.collectives import _divide_factors
 from shardkit.compiled.group import CompiledGroup, Copy, GraphBucket, by_uid
+from shardkit.core.reduction import divide_factors
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam
 
@@ -21,7 +21,7 @@ from shardkit.dtensor.sharded_param import ShardedParam
 class _GatherGraphBucket(torch.autograd.Function):
     """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
     the gradient in ``reduce_dtype`` (HSDP: then all-reduce it over the replicas), divided as
-    eager mode divides it (``_divide_factors``: by ``divide_by``, fp16 partly before the sum),
+    eager mode divides it (core/reduction.py: by ``divide_by``, fp16 partly before the sum),
     in the shards' dtype. HSDP without the all-reduce (``set_requires_all_reduce(False)``): the
     reduce-scattered sums go to the ``partial`` leaf's gradient instead, undivided, and the next
     backward with it adds them before its all-reduce, as eager mode."""
@@ -66,7 +66,7 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
     grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
     if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
         return None, grad, None, None
-    pre, post = _divide_factors(settings.divide_by, ctx.reduce_dtype)
+    pre, post = divide_factors(settings.divide_by, ctx.reduce_dtype)
     if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
         grad = unreduced + grad
     if pre != 1:
@@ -214,11 +214,12 @@ class Settings(NamedTuple):
 
     @staticmethod
     def of(group: CompiledGroup) -> "Settings":
-        reshard = group.reshard_after_forward if group.reshard_after_forward is not None else not group.is_root
+        options = group.options
+        reshard = options.reshard_after_forward if options.reshard_after_forward is not None else not group.is_root
         grad = torch.is_grad_enabled()
         post_forward = bool(reshard) and group.two_step and grad
-        keep = not group.reshard_after_backward and grad
-        return Settings(bool(group.requires_gradient_sync), bool(reshard), group.divide_by, bool(group.requires_all_reduce), post_forward, keep)
+        keep = not options.reshard_after_backward and grad
+        return Settings(bool(options.requires_gradient_sync), bool(reshard), group.divide_by, bool(options.requires_all_reduce), post_forward, keep)
 
     def per_bucket(self, group: CompiledGroup) -> list["Settings"]:
         """Each bucket's: a bucket of weights tied to an earlier call's is reduced with that

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -14,8 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardkit.comm.collectives import backend_of
+from shardkit.compiled.forward_state import Forwarding
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam, backs
+from shardkit.core import reduction
+from shardkit.core.options import GroupOptions
 from shardkit.core.policies import MixedPrecisionPolicy
 
 
@@ -110,18 +113,18 @@ class CompiledGroup:
     the layout), where the modules register them, and the gathered tensors while its forward runs."""
 
     def __init__(self, modules: tuple[nn.Module, ...], params: list[ShardedParam], mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 mp_policy: MixedPrecisionPolicy, owners: dict[int, "CompiledGroup"] | None = None, post_forward_mesh: DeviceMesh | None = None) -> None:
-        """``owners``: the parameters (by index) that are weights tied to an earlier call's, and
+                 mp_policy: MixedPrecisionPolicy, watch: Any, owners: dict[int, "CompiledGroup"] | None = None, post_forward_mesh: DeviceMesh | None = None) -> None:
+        """``watch``: an ``unused.Watch``. ``owners``: the parameters (by index) that are weights tied to an earlier call's, and
         that call's group. ``post_forward_mesh``: ``reshard_after_forward=R``'s
         (``meshes.post_forward_split``)."""
         self.modules, self.params, self.mesh, self.mp_policy = modules, params, mesh, mp_policy  # mesh: 1-D, or 2-D (replicate, shard)
-        self.dp_ranks = float(mesh.size())  # what the summed gradients are divided by, unless the user's factor
+        self.dp_ranks = mesh.size()  # (read here once: the traced forward reads no mesh)
         self.owners = owners or {}
         self.owner_index = {i: owner.params.index(params[i]) for i, owner in self.owners.items()}  # (the parameter in its owner's)
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
         self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
         self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
-        self.reshard_after_forward = reshard_after_forward  # None: True unless this is the root
+        self.options = GroupOptions(reshard_after_forward)  # the knobs (core/options.py), as eager mode's; written by their setters
         # parameters that all-gather themselves: what their fsdp_pre_all_gather takes (the shard dim's 1-D mesh)
         self.extension_mesh = extension.shard_mesh(mesh) if any(p.extension is not None for p in params) else None
         self.hook_arity = {i: extension.pre_all_gather_arity(p.sharded_param._local_tensor) for i, p in enumerate(params) if p.extension is not None}
@@ -133,29 +136,17 @@ class CompiledGroup:
         self.parent: CompiledGroup | None = None  # the fully_shard call around this one
         self.is_root = True  # no parent; what the graph reads (a bool: reaching the parent group from the child's
         # group gives dynamo a second path to it, and one more guard that both are the same object)
-        self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the ranks
-        self.requires_gradient_sync = True  # set_requires_gradient_sync
-        self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
-        self.reshard_after_backward = True  # set_reshard_after_backward
-        self.gathered: list[torch.Tensor] | None = None  # while the group's forward runs (spanning: while its parent's does)
-        self.marks: list[torch.Tensor] = []  # with them: each parameter's mark (unused.py)
-        self.running = False  # one of its modules' forwards is running (a call of another one inside it gathers nothing)
+        self.forward = Forwarding()  # its forward's state and, while gathered, the tensors the modules read (forward_state.py)
         # A group of several modules (fully_shard([a, b])) directly inside another call: gathered at the first of its
-        # modules' forwards, kept while its parent's forward runs (``scoped``, set by the parent), as eager mode keeps it
-        # from the first of them to the last: one all-gather per forward, not one per module
+        # modules' forwards, held while its parent's forward runs, as eager mode keeps it from the first of them to the
+        # last: one all-gather per forward, not one per module
         self.spanning: list[CompiledGroup] = []  # such groups directly inside this one
-        self.scoped = False
-        self.begun = False  # gathered by the pre-hook before a module's own forward pre-hooks (compiled/__init__.py)
         self.lent: set[int] = set()  # parameters a later call gathers too (a weight tied across calls)
         # what the graph's calls name the group by (by_uid); a string: an int that differs between two
         # models' groups would turn symbolic when dynamo compiles the second (automatic dynamic)
         self.uid = f"group-{id(self)}"
         _BY_UID[self.uid] = self
-        self.reads: set[int] = set()  # unused.py: what the forward being traced read,
-        self.unread: set[int] = set()  # what some traced forward did not read (watched),
-        self.hooked: dict[int, torch.Tensor] = {}  # bucket -> its presence leaf with the hook that checks them,
-        self.pending: dict[int, torch.Tensor] = {}  # the gradients of those this backward reduced, held for the check,
-        self.check_queued = False  # and whether the check at the end of backward is queued
+        self.watch = watch  # unused.py: which parameters a forward did not read, and their gradients held back
         self.region = False  # its forward runs as a nested compile region (region.py)
         self._unreduced: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its unsynced gradients
         self._partial: dict[int, torch.Tensor] = {}  # bucket -> the leaf whose .grad keeps its sums not all-reduced (HSDP)
@@ -177,8 +168,25 @@ class CompiledGroup:
 
     @property
     def divide_by(self) -> float:
-        """What the summed gradients are divided by: the data-parallel ranks, or the user's factor."""
-        return self.divide_factor if self.divide_factor is not None else self.dp_ranks
+        """What the summed gradients are divided by (core/reduction.py's rule, as eager mode's)."""
+        return float(reduction.divide_by(self.options, self.dp_ranks))
+
+    def named(self, fqn: str) -> None:
+        """Its modules' FQN under the outermost fully_shard call so far."""
+        self.name = fqn
+
+    def lend(self, i: int) -> None:
+        """A later call gathers parameter ``i`` too (a weight tied across calls)."""
+        self.lent.add(i)
+
+    def run_as_region(self, region: bool) -> None:
+        """Whether its forward runs as a nested compile region (region.py chooses)."""
+        self.region = region
+
+    def drop_two_step(self) -> None:
+        """``set_reshard_after_forward(bool)`` replaces an int: forward gathers in one step (the
+        meshes stay, for a backward that recomputes a forward which gathered in two)."""
+        self.two_step = False
 
     def unreduced_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for backwards without sync: autograd sums their unsharded gradients
@@ -314,7 +322,7 @@ class CompiledGroup:
         self.buckets = list(buckets.values())
         for b in range(len(self.buckets)):
             self.presence_leaf(b)  # made here, outside any compiled region
-            if not self.reshard_after_backward:
+            if not self.options.reshard_after_backward:
                 self.kept_leaf(b)
 
 
@@ -345,9 +353,7 @@ def _to_param(group: CompiledGroup, i: int, leaf: torch.Tensor) -> None:
                            "setattr, load_state_dict or .to()): this gradient is for the tensor it held. Replace parameters by one of those.")
     if not param.requires_grad or grad is None:
         return
-    if i in group.unread:  # watched (unused.py): whether any rank used it is known at the end of backward
-        group.pending[i] = grad
-    else:
+    if not group.watch.holds_back(i, grad):  # (watched: whether any rank used it is known at the end of backward)
         p.set_sharded_grad(grad)
 
 

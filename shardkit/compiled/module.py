@@ -41,7 +41,7 @@ class CompiledFSDPModule(FSDPModule):
 
     def _register_forward_method(self, method_name: str) -> None:
         """``register_fsdp_forward_method``: the method gathers the group's parameters as forward does."""
-        from shardkit.compiled import gathering
+        from shardkit.compiled.forwarding import gathering
 
         method = getattr(type(self), method_name)
         setattr(self, method_name, gathering(self._shardkit(), method).__get__(self))
@@ -54,13 +54,14 @@ class CompiledFSDPModule(FSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for group in _groups(self, recurse):
-            group.reshard_after_forward, group.two_step = reshard_after_forward, False
+            group.options.set_reshard_after_forward(reshard_after_forward)
+            group.drop_two_step()
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
-        self._shardkit().divide_factor = float(factor)
+        self._shardkit().options.set_gradient_divide_factor(float(factor))
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward keeps the unsharded gradients (summed in ``reduce_dtype``, no
@@ -69,7 +70,7 @@ class CompiledFSDPModule(FSDPModule):
         Compiles one graph for ``False`` and one for the first backward after it. Sets
         ``set_requires_all_reduce`` to the same value, as FSDP2 does."""
         for group in _groups(self, recurse):
-            group.requires_gradient_sync = bool(requires_gradient_sync)
+            group.options.set_requires_gradient_sync(bool(requires_gradient_sync))
             for b in range(len(group.buckets)) if not requires_gradient_sync else ():
                 group.unreduced_leaf(b)  # made here, outside any compiled region
         self.set_requires_all_reduce(requires_gradient_sync, recurse=recurse)
@@ -81,7 +82,7 @@ class CompiledFSDPModule(FSDPModule):
         all-reduce, as FSDP2. One graph for ``False``, one for the first backward after it.
         Without a replicate dim it changes nothing (nothing is all-reduced)."""
         for group in _groups(self, recurse):
-            group.requires_all_reduce = bool(requires_all_reduce)
+            group.options.set_requires_all_reduce(bool(requires_all_reduce))
             for b in range(len(group.buckets)) if not requires_all_reduce and group.replicate is not None else ():
                 group.partial_leaf(b)  # made here, outside any compiled region
 
@@ -102,7 +103,7 @@ class CompiledFSDPModule(FSDPModule):
         backward that keeps, one for a forward that uses what was kept. Read at forward: set
         between a forward and its backward, it holds from the next forward (FSDP2: at that backward)."""
         for group in _groups(self, recurse):
-            group.reshard_after_backward = bool(reshard_after_backward)
+            group.options.set_reshard_after_backward(bool(reshard_after_backward))
             for b in range(len(group.buckets)) if not reshard_after_backward else ():
                 group.kept_leaf(b)  # made here, outside any compiled region
             steps.watch(group)  # an optimizer step over its parameters drops what it kept

@@ -52,11 +52,11 @@ def _block(module: nn.Module, *flat: Any, **kwargs: Any) -> Any:
     group: CompiledGroup = module.__dict__["_shardkit_state"]
     settings, shards, kept, args = _unflat(group, flat)
     unused.forward_begins(group)
-    group.gathered, group.marks = gathered(group, settings, shards, kept, traced=False)
+    group.forward.begin(lambda: gathered(group, settings, shards, kept, traced=False))
     try:
         output = type(module)._shardkit_plain_forward(module, *args, **kwargs)
     finally:
-        group.gathered, group.marks = None, []
+        group.forward.end()
     unused.forward_ends(group, module, _key(module, *flat, **kwargs))
     return output
 
@@ -157,12 +157,12 @@ def choose(groups: list[CompiledGroup]) -> None:
     structure at least ``REGIONS_FROM`` of them share."""
     by_structure: dict[tuple, list[CompiledGroup]] = {}
     for group in groups:
-        group.region = False
+        group.run_as_region(False)
         if eligible(group):
             by_structure.setdefault((structure(group.modules[0]), group_layout(group)), []).append(group)
     for same in by_structure.values():
         for group in same if len(same) >= REGIONS_FROM else ():
-            group.region = True
+            group.run_as_region(True)
     if any(group.region for group in groups):
         _no_buffer_reuse()
         _schema_once_per_subgraph()

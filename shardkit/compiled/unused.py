@@ -15,7 +15,7 @@ Which parameters a forward did not read is known when dynamo traces it (``forwar
 while tracing each read; without compile, all of them run at every call). Only for those
 (none, in most models) does the end of backward read the counts back (a device sync on GPU,
 as eager mode's when a rank lacks a gradient): the graph's gradient of such a parameter waits
-for them (``CompiledGroup.pending``), and one that no rank used is dropped (``_after_backward``):
+for them (``Watch.pending``), and one that no rank used is dropped (``_after_backward``):
 its ``.grad`` stays as it was, its hooks do not run. A parameter read but not used by the loss
 (its ``.shape`` only, or a second backward through a ``create_graph=True`` one that does not
 reach it) is not watched: it gets the graph's zero gradient. A read with autograd off (under
@@ -33,6 +33,26 @@ import torch.nn as nn
 from shardkit.compiled.group import CompiledGroup, by_uid
 
 
+class Watch:
+    """What a group knows of its unused parameters; only this file writes it."""
+
+    reads: set[int]  # what the forward being traced read
+    unread: set[int]  # what some traced forward did not read: watched
+    hooked: dict[int, torch.Tensor]  # bucket -> its presence leaf, with the hook that checks the counts
+    pending: dict[int, torch.Tensor]  # parameter -> its gradient this backward reduced, held for the check
+    check_queued: bool  # the check at the end of this backward is queued
+
+    def __init__(self) -> None:
+        self.reads, self.unread, self.hooked, self.pending, self.check_queued = set(), set(), {}, {}, False
+
+    def holds_back(self, i: int, grad: torch.Tensor) -> bool:
+        """Parameter ``i``'s reduced gradient: held until the counts are known if it is watched."""
+        if i not in self.unread:
+            return False
+        self.pending[i] = grad
+        return True
+
+
 class _Read(torch.autograd.Function):
     """The identity on a gathered parameter; its backward marks the parameter as used."""
 
@@ -48,7 +68,7 @@ class _Read(torch.autograd.Function):
 
 def reading(group: CompiledGroup, i: int) -> torch.Tensor:
     """Parameter ``i`` as its group's forward reads it (the gathered tensor, marked as read)."""
-    param, mark = group.gathered[i], group.marks[i]
+    param, mark = group.forward.gathered[i], group.forward.marks[i]
     if not torch.is_grad_enabled():  # (a norm taken under no_grad): no gradient can come of it, so no use
         return param
     if not mark.requires_grad or group.extension_mesh is not None:  # (the latter: gathered as bytes, marked by gather._Attach)
@@ -64,7 +84,7 @@ def _read(param: torch.Tensor, mark: torch.Tensor, uid: str, i: int) -> torch.Te
     note apart, which made the first compiled step slower. ``i`` may come
     symbolic: after a graph break inside the group's forward, dynamo made the index an input of
     the resumed frame (``int``: the value it was traced with)."""
-    by_uid(uid).reads.add(int(i))
+    by_uid(uid).watch.reads.add(int(i))
     return _Read.apply(param, mark)
 
 
@@ -73,13 +93,13 @@ _UNREAD_IN_REGION: dict[int, set[int]] = {}  # region id -> the parameters its t
 
 @torch.compiler.assume_constant_result
 def forward_begins(group: CompiledGroup) -> bool:
-    group.reads = set()
+    group.watch.reads = set()
     return True
 
 
 @torch.compiler.assume_constant_result
 def read(group: CompiledGroup, i: int) -> bool:
-    group.reads.add(i)
+    group.watch.reads.add(i)
     return True
 
 
@@ -93,7 +113,7 @@ def forward_ends(group: CompiledGroup, module: nn.Module, region_id: int = -1) -
         return True
     under = set(module.modules())
     ran = {i for i, p in enumerate(group.params) if any(slot.module in under for slot in p.slots)}
-    unread = ran - group.reads
+    unread = ran - group.watch.reads
     if region_id >= 0:
         _UNREAD_IN_REGION[region_id] = unread
     watch(group, unread)
@@ -110,10 +130,10 @@ def region_ran(group: CompiledGroup, region_id: int) -> bool:
 
 def watch(group: CompiledGroup, unread: set[int]) -> None:
     """Check the counts at the end of each backward for these parameters (once watched, always)."""
-    new = {i for i in unread if i not in group.owners and i not in group.lent} - group.unread
+    new = {i for i in unread if i not in group.owners and i not in group.lent} - group.watch.unread
     if not new:
         return
-    group.unread |= new
+    group.watch.unread |= new
     for b in range(len(group.buckets)):
         group.presence_leaf(b).grad = None  # counts from now on only
     rewatch(group)
@@ -125,15 +145,15 @@ def rewatch(group: CompiledGroup) -> None:
     in place, and the hooks registered on it stop firing."""
     for b, bucket in enumerate(group.buckets):
         leaf = group.presence_leaf(b)
-        if bucket.differentiable and group.unread.intersection(bucket.indices) and group.hooked.get(b) is not leaf:
+        if bucket.differentiable and group.watch.unread.intersection(bucket.indices) and group.watch.hooked.get(b) is not leaf:
             leaf.register_hook(lambda counts, group=group: _counted(group))
-            group.hooked[b] = leaf
+            group.watch.hooked[b] = leaf
 
 
 def _counted(group: CompiledGroup) -> None:
     """A backward reduced a bucket with a watched parameter: check them all once it has ended."""
-    if not group.check_queued:
-        group.check_queued = True
+    if not group.watch.check_queued:
+        group.watch.check_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _after_backward(group))
 
 
@@ -144,8 +164,8 @@ def _after_backward(group: CompiledGroup) -> None:
     it was (None after ``zero_grad()``; a gradient from outside its group's forward, a
     regularizer of the loss on the sharded parameter itself, is autograd's and stays), and no
     hook runs, as in eager mode and FSDP2."""
-    group.check_queued = False
-    pending, group.pending = group.pending, {}
+    group.watch.check_queued = False
+    pending, group.watch.pending = group.watch.pending, {}
     for b, bucket in enumerate(group.buckets):
         leaf = group.presence_leaf(b)
         counts, leaf.grad = leaf.grad, None

@@ -47,7 +47,7 @@ from shardkit.comm.buckets import Bucket, GatherBucket, reduce_buckets
 from shardkit.comm.collectives import Comm, PendingAllGather, Reduction, ReduceSettings
 from shardkit.comm.streams import streams_for
 from shardkit.dtensor.sharded_param import ShardedParam
-from shardkit.core import steps
+from shardkit.core import reduction, steps
 from shardkit.core.options import GroupOptions
 
 
@@ -359,8 +359,7 @@ class ParamGroup:
             partial = plan.take_partial(key)
             if not options.requires_all_reduce:
                 keep_partial = functools.partial(plan.keep_partial, key)  # instead of the all-reduce
-        # The default divisor: every rank of the part's mesh (both dims for HSDP).
-        return ReduceSettings(options.gradient_divide_factor or part.mesh.size(), replicate=plan.replicate, partial=partial,
+        return ReduceSettings(reduction.divide_by(options, part.mesh.size()), replicate=plan.replicate, partial=partial,
                               keep_partial=keep_partial, custom=options.custom_reduce_scatter, hook=hook,
                               force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
 

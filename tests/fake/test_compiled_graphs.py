@@ -325,11 +325,11 @@ def test_only_the_parameters_a_forward_did_not_read_are_checked_after_backward()
         shardkit.compiled.fully_shard(model, mesh=mesh)
         model(torch.randn(4, 8)).sum().backward()
         pair, root = model.a._shardkit_state, model._shardkit_state
-        names = lambda group: {f"{type(p.slots[0].module).__name__}.{p.slots[0].name}" for i, p in enumerate(group.params) if i in group.unread}  # noqa: E731
-        assert pair.unread == set() and pair.hooked == {}
-        assert len(root.unread) == 2 and names(root) == {"Linear.weight", "Linear.bias"}
-        assert {root.params[i].slots[0].module for i in root.unread} == {model.spare}
-        assert list(root.hooked) == [0]  # the presence leaf of the root's one bucket
+        names = lambda group: {f"{type(p.slots[0].module).__name__}.{p.slots[0].name}" for i, p in enumerate(group.params) if i in group.watch.unread}  # noqa: E731
+        assert pair.watch.unread == set() and pair.watch.hooked == {}
+        assert len(root.watch.unread) == 2 and names(root) == {"Linear.weight", "Linear.bias"}
+        assert {root.params[i].slots[0].module for i in root.watch.unread} == {model.spare}
+        assert list(root.watch.hooked) == [0]  # the presence leaf of the root's one bucket
 
 
 def test_a_forward_without_autograd_watches_nothing_and_reads_under_it_are_no_use():
@@ -355,9 +355,9 @@ def test_a_forward_without_autograd_watches_nothing_and_reads_under_it_are_no_us
         group = model._shardkit_state
         with torch.no_grad():
             model(torch.randn(4, 8))
-        assert group.unread == set()
+        assert group.watch.unread == set()
         model(torch.randn(4, 8)).sum().backward()
-        assert {group.params[i].slots[0].name for i in group.unread} == {"scale"}
+        assert {group.params[i].slots[0].name for i in group.watch.unread} == {"scale"}
 
 
 class _Permuted(nn.Module):

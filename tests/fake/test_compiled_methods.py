@@ -168,7 +168,7 @@ def test_a_new_setting_compiles_one_more_graph_and_a_setting_seen_before_none():
 
         assert step() == (1, Counter(all_gather=2, reduce_scatter=3))
         sharded.set_reshard_after_forward(False)
-        assert {g.reshard_after_forward for g in shardkit.compiled.module._groups(sharded, True)} == {False}
+        assert {g.options.reshard_after_forward for g in shardkit.compiled.module._groups(sharded, True)} == {False}
         assert step() == (2, Counter(reduce_scatter=3))
         assert step() == (2, Counter())  # steady state: no recompilation
         sharded.set_reshard_after_forward(True)  # the root too, now (its default, None, keeps)

@@ -90,8 +90,8 @@ def test_set_reshard_after_forward_replaces_the_int_and_an_int_of_1_or_the_world
         whole = shardkit.compiled.fully_shard(torch.nn.Linear(8, 8), mesh=mesh, reshard_after_forward=WORLD)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert (one._shardkit_state.reshard_after_forward, one._shardkit_state.post_forward) == (False, None)
-        assert (whole._shardkit_state.reshard_after_forward, whole._shardkit_state.post_forward) == (True, None)
+            assert (one._shardkit_state.options.reshard_after_forward, one._shardkit_state.post_forward) == (False, None)
+        assert (whole._shardkit_state.options.reshard_after_forward, whole._shardkit_state.post_forward) == (True, None)
 
 
 def compiled_step_of(model) -> Recording:

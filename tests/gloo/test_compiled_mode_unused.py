@@ -55,7 +55,7 @@ def unused_parameters_keep_none_and_train_like_the_unsharded_model(mesh, impl):
                 assert_close(step.loss, step.ref_loss, f"{what}: loss at step {i}")
             assert sharded.blocks[0].unused.weight.grad is None, what
             # only what a traced forward did not read is watched (its counts read back after backward)
-            unread = [m._shardkit_state.unread for m in (sharded, *sharded.blocks)]
+            unread = [m._shardkit_state.watch.unread for m in (sharded, *sharded.blocks)]
             assert unread == [set(), {2, 3}, {2, 3} if make is Same else set()], f"{what}: {unread}"  # (lin, unused) x (weight, bias)
             if what != "compiled":
                 continue

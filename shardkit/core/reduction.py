@@ -1,0 +1,25 @@
+"""The reduction rule both modes' executors follow: what the summed gradients are divided by,
+and how much of it before the sum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def divide_by(options: Any, ranks: int) -> float:
+    """The user's ``set_gradient_divide_factor``, or the ``ranks`` of the data-parallel mesh
+    (both dims for HSDP): the mean over the ranks that hold the parameter."""
+    return options.gradient_divide_factor or ranks
+
+
+def divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(before, after) the sum. fp32/bf16/fp64: all after. Otherwise (fp16) about sqrt(factor)
+    before, a power of two, and the rest after (FSDP2's split)."""
+    if dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return 1.0, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
