@@ -64,12 +64,27 @@ def test_the_trace_excerpt_in_observability_md_is_in_order():
     assert re.search(r"wait all_gather \S+", excerpt)
 
 
+def file_table_rows(doc: str) -> list[str]:
+    """The rows of the table under ``| file | what it holds |`` (header and rule left out): the
+    whole table, blank lines inside it included, up to the next heading or paragraph."""
+    rows = []
+    for line in doc[doc.index("| file | what it holds |") :].splitlines():
+        if line.startswith("|"):
+            rows.append(line)
+        elif line.strip():
+            break
+    return rows[2:]
+
+
+def test_the_file_table_rows_after_a_blank_line_are_read():
+    doc = "| file | what it holds |\n|---|---|\n| `a.py` | a |\n\n| `b.py` | b |\n\nA paragraph.\n| `c.py` | c |\n"
+    assert file_table_rows(doc) == ["| `a.py` | a |", "| `b.py` | b |"]
+
+
 def test_the_file_table_in_the_design_doc_names_every_module():
     """Every runtime file is in design.md's table (a folder row covers its files), and every
     row names files that exist."""
-    table = DESIGN[DESIGN.index("| file | what it holds |") :]
-    table = table[: table.index("\n\n")]
-    named = [p for row in table.splitlines()[2:] for p in re.findall(r"`([^`]+)`", row.split("|")[1])]
+    named = [p for row in file_table_rows(DESIGN) for p in re.findall(r"`([^`]+)`", row.split("|")[1])]
     package = ROOT / "shardkit"
     missing = [p for p in named if not (package / p).exists()]
     assert not missing, f"design.md's file table names files that do not exist: {missing}"
