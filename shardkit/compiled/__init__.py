@@ -5,9 +5,11 @@
 The same calls (``fully_shard`` on each block, then on the root) and the same sharded
 parameters: each is an ``nn.Parameter`` holding the same DTensor as in eager mode, so the
 optimizer, ``state_dict()`` and ``shardkit.checkpoint`` files are the eager mode's. What differs
-is how the parameters are gathered: no schedule, and no hooks (but one before a module's own
-forward pre-hooks, which read the parameters gathered as in FSDP2). A group's forward runs
-``gather`` (gather.py): the group's shards, cast to ``param_dtype``, laid end to end and
+is how the parameters are gathered: no schedule and no module hooks around forward and backward.
+The hooks it does register: a forward pre-hook before a module's own pre-hooks (which read the
+parameters gathered, as in FSDP2), a ``load_state_dict`` pre-hook (what a backward kept is stale)
+and a post-accumulate-grad hook on each of the graph's leaves. A group's forward
+(forwarding.py, its states in forward_state.py) runs ``gather`` (gather.py): the group's shards, cast to ``param_dtype``, laid end to end and
 all-gathered in ONE functional collective, whose autograd backward is ONE reduce-scatter of
 the gradients in ``reduce_dtype`` (HSDP: then an all-reduce over the replicas), divided as
 eager mode divides. The graph's inputs are plain leaves sharing the shards' storage, not the
@@ -123,7 +125,7 @@ def fully_shard(
     _check_owners(group, borrowed)
     for p, owner, _ in borrowed:
         owner.lend(owner.params.index(p))
-    overlap.GROUPS.update(comm.pg_name for comm in (group.shard, *(group.post_forward or ())))
+    overlap.GROUPS.update(comm.pg_name for comm in (group.shard_comm, *(group.post_forward or ())))
     setup.register_sharded(group, sharded, found, unsharded=lambda owner: False)
     _install(group, {len(own) + k: slots for k, (_, _, slots) in enumerate(borrowed)})
     group.make_leaves()
@@ -226,7 +228,7 @@ def _borrowed(found: setup.Found) -> list[tuple[ShardedParam, CompiledGroup, lis
 def _check_owners(group: CompiledGroup, borrowed: list[tuple[ShardedParam, CompiledGroup, list[ParamSlot]]]) -> None:
     """A tied weight is gathered from its owner's shards: both calls must shard over one mesh."""
     for _, owner, slots in borrowed:
-        if (owner.shard, owner.replicate) != (group.shard, group.replicate):
+        if (owner.shard_comm, owner.replicate_comm) != (group.shard_comm, group.replicate_comm):
             raise ValueError(f"shardkit.compiled: parameter {_names(slots)} is tied to one of {class_name(owner.modules[0])}, sharded over another mesh; "
                              "shard both over one mesh, or both weights in one call.")
 

@@ -44,7 +44,7 @@ class _GatherGraphBucket(torch.autograd.Function):
         marks = presence.new_zeros(presence.shape)
         ctx.marks = marks.numel()
         if bucket.as_bytes:
-            gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard.world)
+            gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard_comm.world)
         else:
             gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(bucket.param_dtype), flat, group, settings, traced)
         # (else: the leaves); the gathered rows, recomputed in backward when the group reshards after forward
@@ -61,7 +61,7 @@ class _GatherGraphBucket(torch.autograd.Function):
 
 def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None) -> tuple:
     """``_GatherGraphBucket``'s gradients of (flat, unreduced, partial, presence)."""
-    group, shard, replicate, settings = ctx.group, ctx.group.shard, ctx.group.replicate, ctx.settings
+    group, shard, replicate, settings = ctx.group, ctx.group.shard_comm, ctx.group.replicate_comm, ctx.settings
     # the grad-presence columns after each rank's rows, as eager mode: (world, per_rank + n)
     grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
     if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
@@ -91,7 +91,7 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
 
 def _gathered_rows(send: torch.Tensor, flat: torch.Tensor, group: CompiledGroup, settings: "Settings", traced: bool) -> torch.Tensor:
     """Every rank's ``send`` (``flat`` in param_dtype), rank after rank: ``(world * per_rank,)``."""
-    shard = group.shard
+    shard = group.shard_comm
     if shard.world == 1:  # nothing to gather (HSDP with one rank per replica), as eager mode
         return send if send is not flat else send.clone()
     if not settings.post_forward:
@@ -314,8 +314,7 @@ def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, call: int,
     """Bucket ``b`` of group ``uid`` all-gathered (``_GatherGraphBucket``) from its parameters'
     ``shards``: each parameter unsharded (TP-local, not yet a DTensor), then the bucket's marks.
     One op to dynamo, which runs it once on fake tensors instead of tracing it line by line
-    (AOTAutograd traces through it): a third fewer dynamo steps for the 2-block test GPT, and its
-    first compiled step about 15 % shorter. A region's body, traced for the first block of its
+    (AOTAutograd traces through it): fewer dynamo steps, so a shorter first compiled step. A region's body, traced for the first block of its
     key, names that block's group: the other blocks of the key have its layout, so the same ops."""
     group = by_uid(uid)
     bucket = group.buckets[b]
@@ -323,7 +322,7 @@ def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, call: int,
         shards = (shards[0][: shards[0].shape[0] + call], *shards[1:])
     flat = torch.cat([_padded(shard, c.padded_rows) for shard, c in zip(shards, bucket.copies)])
     gathered, marks = _GatherGraphBucket.apply(flat, unreduced, partial, presence, reuse, keep, group, bucket, Settings(*settings), traced)
-    rows = gathered.view(group.shard.world, -1)
+    rows = gathered.view(group.shard_comm.world, -1)
     # each parameter's column (world, shard_numel), copied out contiguous in one op (no copy for one parameter)
     columns = torch.split_with_sizes_copy(rows, bucket.numels, dim=1) if len(shards) > 1 else (rows,)
     return (*(_unsharded(column, c) for c, column in zip(bucket.copies, columns)), marks)
@@ -341,12 +340,12 @@ def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, tra
     for the others the padded shard in param_dtype, all as bytes in ONE all-gather (as eager
     mode); then ``fsdp_post_all_gather`` on each such parameter's outputs (rank-major), the
     others' columns viewed back. No autograd here: ``_Attach`` carries the gradient."""
-    world = group.shard.world
+    world = group.shard_comm.world
     with torch.no_grad():
         sent = [_send(group, c.index, shards[c.index], bucket.param_dtype) for c in bucket.copies]  # (inputs, metadata) per parameter
         inputs = [t.contiguous() for ins, _ in sent for t in ins]
         send = torch.cat([t.view(-1).view(torch.uint8) for t in inputs])  # this rank's bytes
-        received = _all_gather(send, group.name, group.shard, traced) if world > 1 else send
+        received = _all_gather(send, group.name, group.shard_comm, traced) if world > 1 else send
         columns = iter(received.view(world, -1).split([t.numel() * t.element_size() for t in inputs], dim=1))
         built = []
         for c, (ins, metadata) in zip(bucket.copies, sent):

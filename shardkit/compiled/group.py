@@ -40,8 +40,11 @@ def by_uid(uid: str) -> "CompiledGroup":
 @dataclass
 class GraphBucket:
     """The parameters of a group that travel in one collective of the graph: one original, one
-    param and one reduce dtype (usually the whole group). Not eager mode's buckets
-    (``comm/buckets.py``): no bytes, no grad-presence column, one reduce-scatter per all-gather."""
+    param and one reduce dtype (usually the whole group), with the same grad-presence column as
+    eager mode's (``reduced_numel``) and, for parameters that all-gather themselves, bytes
+    (``as_bytes``). Eager mode buckets otherwise (``comm/buckets.py``): one all-gather per
+    group, mixed dtypes as bytes, and one reduce-scatter per reduce dtype; the graph's all-gather
+    and reduce-scatter of a bucket are one autograd function, so they split alike."""
 
     numels: list[int]  # padded shard elements per parameter
     dtype: torch.dtype
@@ -122,14 +125,14 @@ class CompiledGroup:
         self.owners = owners or {}
         self.owner_index = {i: owner.params.index(params[i]) for i, owner in self.owners.items()}  # (the parameter in its owner's)
         self.name = ""  # the modules' FQN under the outermost fully_shard call so far ("" for it)
-        self.shard = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
-        self.replicate = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
+        self.shard_comm = GraphComm.of(mesh, mesh.ndim - 1)  # all-gather and reduce-scatter
+        self.replicate_comm = GraphComm.of(mesh, 0) if mesh.ndim == 2 else None  # HSDP: the gradients' all-reduce
         self.options = GroupOptions(reshard_after_forward)  # the knobs (core/options.py), as eager mode's; written by their setters
         # parameters that all-gather themselves: what their fsdp_pre_all_gather takes (the shard dim's 1-D mesh)
         self.extension_mesh = extension.shard_mesh(mesh) if any(p.extension is not None for p in params) else None
         self.hook_arity = {i: extension.pre_all_gather_arity(p.sharded_param._local_tensor) for i, p in enumerate(params) if p.extension is not None}
         # reshard_after_forward=R: the forward's all-gather in two steps, (ranks equal modulo R, R consecutive ranks)
-        self.post_forward: PostForward | None = PostForward.of(post_forward_mesh, self.shard) if post_forward_mesh is not None else None
+        self.post_forward: PostForward | None = PostForward.of(post_forward_mesh, self.shard_comm) if post_forward_mesh is not None else None
         # whether it is in effect: set_reshard_after_forward replaces it, and the meshes stay for a
         # backward that recomputes a forward which gathered in two steps
         self.two_step = self.post_forward is not None
@@ -159,12 +162,12 @@ class CompiledGroup:
     def hsdp(self) -> bool:
         """A replicate dim, of any size: ``set_requires_all_reduce(False)`` keeps the sums (as
         FSDP2 keeps them, even for one replica), whether or not an all-reduce runs."""
-        return self.replicate is not None
+        return self.replicate_comm is not None
 
     @property
     def all_reduces(self) -> bool:
         """HSDP with more than one replica: the reduced gradients are all-reduced over them."""
-        return self.replicate is not None and self.replicate.world > 1
+        return self.replicate_comm is not None and self.replicate_comm.world > 1
 
     @property
     def divide_by(self) -> float:
@@ -192,7 +195,7 @@ class CompiledGroup:
         """Bucket ``b``'s leaf for backwards without sync: autograd sums their unsharded gradients
         (in reduce_dtype, with the grad-presence columns: ``(world, per_rank + n)``) into its
         ``.grad``. One element of memory, broadcast: the gradient is the only full-size tensor."""
-        return self._leaf(self._unreduced, b, self.buckets[b].reduced_numel * self.shard.world)
+        return self._leaf(self._unreduced, b, self.buckets[b].reduced_numel * self.shard_comm.world)
 
     def partial_leaf(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s leaf for HSDP backwards without the all-reduce: autograd sums their
@@ -234,8 +237,8 @@ class CompiledGroup:
     def make_leaves(self) -> None:
         """Per parameter, its local shard as a plain leaf tensor that requires grad: what the
         graph takes instead of the DTensor. A DTensor input costs AOTAutograd a subclass
-        unwrap at every call and dynamo more to trace (docs/usage.md, "The graph's inputs":
-        about a fifth off the first step and a tenth off an aot_eager step). The leaf shares
+        unwrap at every call and dynamo more to trace (docs/design.md, "What the graph takes and
+        gives: leaves and hooks"; the measurement: benchmarks/README.md). The leaf shares
         the shard's storage (the optimizer's in-place steps reach it); its gradient moves to
         the parameter's ``.grad`` (``_to_param``). Made again wherever the registered
         parameters change (module.py: ``.to()``, ``setattr``, ``load_state_dict``)."""
@@ -257,7 +260,7 @@ class CompiledGroup:
         """Bucket ``b``'s leaf for backwards that do not reshard (``set_reshard_after_backward(False)``):
         its ``.grad`` gets the bucket's all-gather output ``(world * per_rank,)`` in param_dtype,
         which the next forward uses instead of all-gathering (``kept``)."""
-        return self._leaf(self._kept, b, sum(self.buckets[b].numels) * self.shard.world, self.buckets[b].param_dtype)
+        return self._leaf(self._kept, b, sum(self.buckets[b].numels) * self.shard_comm.world, self.buckets[b].param_dtype)
 
     def kept(self, b: int, take: bool) -> torch.Tensor | None:
         """Bucket ``b``'s all-gather output that a backward kept (None if none, or if an optimizer

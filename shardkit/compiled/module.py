@@ -83,7 +83,7 @@ class CompiledFSDPModule(FSDPModule):
         Without a replicate dim it changes nothing (nothing is all-reduced)."""
         for group in _groups(self, recurse):
             group.options.set_requires_all_reduce(bool(requires_all_reduce))
-            for b in range(len(group.buckets)) if not requires_all_reduce and group.replicate is not None else ():
+            for b in range(len(group.buckets)) if not requires_all_reduce and group.replicate_comm is not None else ():
                 group.partial_leaf(b)  # made here, outside any compiled region
 
     # what one graph already does -------------------------------------------------------------

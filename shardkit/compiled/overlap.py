@@ -16,14 +16,16 @@ which orders the graph as eager shardkit's schedule, in forward and in backward 
   the next reduce-scatter is issued, the last one at the end of the graph: one reduce-scatter
   in flight during the next group's backward compute.
 
-So at most two groups are unsharded at once (the one computing, the one arriving) and one
-reduce-scatter is in flight: eager's memory. Only collectives on a compiled-mode group's process
+So at most two groups are unsharded at once (the one computing, the one arriving), as in eager
+mode, and one reduce-scatter is in flight (eager mode allows two: ``eager/schedule.py``'s
+``MAX_REDUCING``). Only collectives on a compiled-mode group's process
 group move, and the trace op of each (``shardkit::trace_collective``) moves with it. The order is
 one sort: each op gets a place (its index, or the place its rule gives it), every op's place
 is made no later than the places of the ops that read it, and the ops are sorted by (place,
 index); an op's inputs always sort before it, so the sort is a valid order whatever the rules.
 From torch 2.14 on, inductor's ``simple_overlap`` runs after this pass: it may swap a
-collective with the wait or kernel just before it where its memory model allows (docs/usage.md).
+collective with the wait or kernel just before it where its memory model allows (docs/design.md,
+"The overlap pass on the 2-block GPT").
 """
 
 from __future__ import annotations

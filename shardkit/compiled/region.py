@@ -137,9 +137,9 @@ def group_layout(group: CompiledGroup) -> tuple:
     """What of the group the region's code holds as constants."""
     buckets = tuple((tuple(b.indices), tuple(b.numels), str(b.param_dtype), str(b.reduce_dtype)) for b in group.buckets)
     params = tuple((p.padded_rows, tuple(p.layout.unsharded_padded_shape), p.shape[0]) for p in group.params)
-    replicate = (group.replicate.pg_name, group.replicate.world) if group.replicate is not None else None
+    replicate = (group.replicate_comm.pg_name, group.replicate_comm.world) if group.replicate_comm is not None else None
     post_forward = tuple((c.pg_name, c.world) for c in group.post_forward) if group.two_step else None
-    return (group.shard.pg_name, group.shard.world, replicate, post_forward, buckets, params, str(group.mp_policy))
+    return (group.shard_comm.pg_name, group.shard_comm.world, replicate, post_forward, buckets, params, str(group.mp_policy))
 
 
 def eligible(group: CompiledGroup) -> bool:
@@ -279,9 +279,9 @@ def run(group: CompiledGroup, module: nn.Module, args: tuple, kwargs: dict) -> A
 
 def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, skipped: list[bool], done: bool) -> None:
     """The region's all-gathers (two steps each with ``reshard_after_forward=R``: gather.py)."""
-    if group.shard.world == 1:
+    if group.shard_comm.world == 1:
         return
-    steps = [(group.shard, 1)] if not settings.post_forward else [(group.post_forward.across, 1), (group.post_forward.within, group.post_forward.across.world)]
+    steps = [(group.shard_comm, 1)] if not settings.post_forward else [(group.post_forward.across, 1), (group.post_forward.within, group.post_forward.across.world)]
     for bucket, skip in zip(group.buckets, skipped):
         for comm, inputs_per_rank in steps if not skip else ():
             numel = sum(bucket.numels) * inputs_per_rank  # the step's input
@@ -321,9 +321,9 @@ class _Reductions(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         group, settings = ctx.group, ctx.settings
         for bucket in group.buckets:
-            numel = bucket.reduced_numel * group.shard.world
-            replicate = group.replicate if settings.all_reduce else None
-            for kind, comm, n in (("reduce_scatter", group.shard, numel), ("all_reduce", replicate, bucket.reduced_numel)):
+            numel = bucket.reduced_numel * group.shard_comm.world
+            replicate = group.replicate_comm if settings.all_reduce else None
+            for kind, comm, n in (("reduce_scatter", group.shard_comm, numel), ("all_reduce", replicate, bucket.reduced_numel)):
                 if comm is not None and comm.world > 1:
                     for done in (False, True):
                         torch.ops.shardkit.trace_collective(grad, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)
