@@ -1,7 +1,10 @@
 import contextlib
 import multiprocessing.util
+import getpass
 import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -124,6 +127,26 @@ def _spawns(item) -> bool:
 def pytest_addoption(parser):
     parser.addoption("--forbid-subprocess", action="store_true",
                      help="fail a test that starts a process (make test-fast): mark it subprocess in tests/conftest.py")
+
+
+def pytest_configure(config):
+    """The processes the tests start keep their temporary files in one folder of this session's,
+    removed when it ends: torchrun's agents leave a ``torchelastic_*`` log folder behind in the
+    temporary folder they find. Inductor's kernel cache stays where it was, shared by the lanes
+    of make test and by the next run."""
+    folder = tempfile.mkdtemp(prefix="shardkit-tests-")
+    config.stash[_TMPDIR] = folder
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    os.environ["TMPDIR"] = folder
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_TMPDIR, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_TMPDIR = pytest.StashKey[str]()
 
 
 def pytest_collection_modifyitems(config, items):
