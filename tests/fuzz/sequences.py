@@ -90,7 +90,10 @@ class Block(nn.Module):
         self.fail = False
 
     def forward(self, x, *, gain=1.0):
-        if self.swap_data:  # new data, same Parameter: what HF's router's `.to(torch.float32)` does to bf16 weights
+        # New data, same Parameter: what HF's router's `.to(torch.float32)` does to bf16 weights. Not
+        # to a tensor-parallel weight under inference_mode: torch refuses `.data =` of an inference
+        # DTensor on a DTensor made outside it ("Cannot set version_counter"), FSDP2 and shardkit alike
+        if self.swap_data and not (torch.is_inference_mode_enabled() and isinstance(self.lin.weight, DTensor)):
             self.lin.weight.data = self.lin.weight.data.clone()  # (a .to of the same dtype would copy nothing)
         x = torch.tanh(self.lin(x)) * gain  # (gain: a keyword argument, as models pass them; 1.0, exact)
         if self.inner is not None:
