@@ -16,6 +16,10 @@ HF_DEPS ?= safetensors==0.8.0 transformers==5.23.0
 # Bench-only: the plot of benchmarks/scaling.py (make bench ARGS=--scaling); the tests never need it.
 # The same pin as pyproject.toml's `bench` extra.
 BENCH_DEPS ?= matplotlib==3.10.9
+# Test-only: torchft, which drives HSDP's replicate dim through replica groups that die and heal
+# (tests/gloo/test_torchft.py, shardkit.ft). Without its torch pin (--no-deps); its other needs pinned.
+FT_DEPS ?= opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+FT_SPEC ?= torchft==0.2.0
 # Extra flags for demo/train.py, e.g. make demo ARGS="--steps 100".
 ARGS ?=
 
@@ -34,6 +38,8 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install numpy rich pytest expecttest "$(FUZZ_DEPS)" $(HF_DEPS)
 	$(VENV)/bin/pip install --no-deps $(TEST_DEPS)
+	$(VENV)/bin/pip install $(FT_DEPS)
+	$(VENV)/bin/pip install --no-deps "$(FT_SPEC)"
 	$(VENV)/bin/pip install --no-deps -e .
 	touch $@
 

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.comm import check, trace
 from shardkit.comm.buckets import Bucket, GatherBucket
 from shardkit.comm.streams import Collective, Handle, Streams, call_on
-from shardkit.core.reduction import divide_factors
+from shardkit.core.reduction import divide_factors, hook_sees_divided
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -252,9 +252,14 @@ class Reduction:
         # Our own gradient implies a nonzero count, so we read the counts back (a device sync on
         # GPU) only when this rank lacks one.
         counts = counts.tolist() if self.missing else None
-        if settings.hook is not None:  # set_all_reduce_hook: the summed chunk, before the division
+        # set_all_reduce_hook: the chunk as FSDP2's hook has it (core/reduction.py), so any
+        # division that comes after the hook waits for it.
+        divide_first = settings.hook is None or hook_sees_divided(bucket.dtype, settings.force_sum)
+        if divide_first:
+            reduced = self._divide(reduced)
+        if settings.hook is not None:
             call_on(settings.hook[1], settings.hook[0], reduced)
-        bucket.copy_out(self._divide(reduced), counts, self.missing)
+        bucket.copy_out(reduced if divide_first else self._divide(reduced), counts, self.missing)
 
 
 class ReduceScatter(Reduction):
@@ -310,8 +315,7 @@ def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[fl
     (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
     divided after; a user's divide factor equal to the shard dim's ranks averages there only
     (FSDP2's choice); not with ``set_force_sum_reduction_for_comms``. (A user's reduce-scatter is
-    given the op; an all-reduce hook sees the chunk as the collectives left it, before any
-    division: as FSDP2.)"""
+    given the op; what an all-reduce hook sees: ``hook_sees_divided``.)"""
     pre, post = divide_factors(how.divide_by, dtype)
     comms = (comm,) if how.replicate is None else (comm, how.replicate)
     averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16) and not how.force_sum

@@ -9,6 +9,7 @@ float8's own all-gather) with FSDP2 in the same run.
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -148,6 +149,66 @@ def custom_collectives_an_all_reduce_hook_and_a_separate_reduce_scatter_group_tr
         p.optimizer_step()
     p.assert_params_match()
     assert (gather.calls, reduce.calls, len(halved)) == (2 * STEPS, STEPS, STEPS), (gather.calls, reduce.calls, len(halved))
+
+
+# What the all-reduce hook receives: FSDP2's tensor, on gloo too --------------------------
+HOOK_CASES = {  # name: (mesh shape, reduce dtype, force_sum, gradient divide factor)
+    "1d-fp32": ((2,), None, False, None),
+    "1d-bf16": ((2,), torch.bfloat16, False, None),
+    "1d-fp16": ((2,), torch.float16, False, None),
+    "1d-fp64": ((2,), torch.float64, False, None),
+    "1d-force-sum": ((2,), None, True, None),
+    "1d-factor-3": ((2,), None, False, 3.0),
+    "1d-fp16-factor-4": ((2,), torch.float16, False, 4.0),
+    "hsdp-2x1-fp32": ((2, 1), None, False, None),
+    "hsdp-1x2-fp32": ((1, 2), None, False, None),
+    "hsdp-2x1-fp16": ((2, 1), torch.float16, False, None),
+}
+
+
+def hooked_reductions(mesh_shape, reduce_dtype, force_sum, factor, fully_shard) -> tuple[list[torch.Tensor], dict]:
+    """What the hook of every group receives in one backward (copies, in call order), and the
+    gradients after it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("dp",)
+    mesh = DeviceMesh("cpu", torch.arange(2).view(mesh_shape), mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = Tiny()
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    seen: list[torch.Tensor] = []
+    for m in (*model.blocks, model):
+        m.set_force_sum_reduction_for_comms(force_sum)
+        if factor is not None:
+            m.set_gradient_divide_factor(factor)
+        m.set_all_reduce_hook(lambda reduced: seen.append(reduced.clone()))
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    model(torch.randn(4, 8, generator=g)).sum().backward()
+    return seen, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@checks("shardkit")
+def the_all_reduce_hook_receives_fsdp2s_tensor_for_every_reduce_dtype_mesh_and_knob(mesh, impl):
+    for case, args in HOOK_CASES.items():
+        mesh_shape, reduce_dtype, force_sum, factor = args
+        ours, our_grads = hooked_reductions(*args, FULLY_SHARD["shardkit"])
+        scale = 1.0
+        if factor is not None and reduce_dtype in (None, torch.bfloat16) and not force_sum:
+            # FSDP2 divides by a factor inside the reduce-scatter (ReduceOp.PREMUL_SUM), which
+            # gloo refuses: its tensor is then its average over the 2 ranks, times 2 / factor.
+            theirs, their_grads = hooked_reductions(mesh_shape, reduce_dtype, force_sum, None, FULLY_SHARD["torch"])
+            scale = 2 / factor
+        else:
+            theirs, their_grads = hooked_reductions(*args, FULLY_SHARD["torch"])
+        assert len(ours) == len(theirs) == 3, (case, len(ours), len(theirs))
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), (case, i, a.dtype, a.shape, b.dtype, b.shape)
+            torch.testing.assert_close(a, b * scale, msg=lambda m: f"{case}: hook call {i}: {m}")
+        for name, grad in our_grads.items():
+            torch.testing.assert_close(grad, their_grads[name] * scale, msg=lambda m: f"{case}: grad {name}: {m}")
 
 
 # torchao float8 training ------------------------------------------------------------------
