@@ -21,6 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from shardkit.core.meshes import resizable
+
 _enabled = os.environ.get("SHARDKIT_CHECK", "0") not in ("", "0")
 _recent: collections.deque = collections.deque(maxlen=8)
 
@@ -38,7 +40,7 @@ def check_collectives(enabled: bool = True) -> None:
 def before(pg: dist.ProcessGroup, kind: str, name: str, dtype: torch.dtype, numel: int, world: int) -> None:
     """Record the collective about to be issued; in check mode, compare it across ranks."""
     _recent.append((kind, name, dtype, numel, world))  # formatted only if ever shown
-    if not _enabled:
+    if not _enabled or resizable(pg):  # (a resizable group, e.g. torchft's, runs its own checks)
         return
     fingerprint = (kind, name or "<root>", str(dtype).removeprefix("torch."), numel, world)
     every: list = [None] * world

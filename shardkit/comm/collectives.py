@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.comm import check, trace
 from shardkit.comm.buckets import Bucket, GatherBucket
 from shardkit.comm.streams import Collective, Handle, Streams, call_on
+from shardkit.core.meshes import resizable
 from shardkit.core.reduction import divide_factors, hook_sees_divided
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
@@ -57,6 +58,12 @@ class Comm:
     mesh_dim: str  # the mesh dimension's name, for the trace
     averages: bool = False  # the backend divides by the ranks itself (ReduceOp.AVG)
     at_once: bool = False  # the backend's work is done once issued (see backend_of)
+    resizable: bool = False  # its size may change between steps (core/meshes.py): ``size()`` asks it
+
+    def size(self) -> int:
+        """The ranks taking part now: ``world``, or what a resizable group says at this moment
+        (torchft's managed group: the replicas in this step's quorum)."""
+        return self.process_group.size() if self.resizable else self.world
 
     @classmethod
     def of(cls, mesh: DeviceMesh, dim: int, streams: Streams, name: str | None = None, separate: bool = False) -> "Comm":
@@ -65,8 +72,10 @@ class Comm:
             if pg not in _separate_groups:  # (dropped with it: weakly keyed)
                 _separate_groups[pg] = dist.new_group(dist.get_process_group_ranks(pg), use_local_synchronization=True)
             pg = _separate_groups[pg]
-        gloo, averages, at_once = backend_of(pg)
         name = name or (mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}")
+        if resizable(pg):  # not in c10d's registry; SUM and a division by its size at each reduction
+            return cls(pg, pg.size(), pg.rank(), streams, False, name, resizable=True)
+        gloo, averages, at_once = backend_of(pg)
         world = dist.get_world_size(pg)
         return cls(pg, world, dist.get_rank(pg), streams, gloo, name, averages and world > 1, at_once)
 
@@ -318,8 +327,8 @@ def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[fl
     given the op; what an all-reduce hook sees: ``hook_sees_divided``.)"""
     pre, post = divide_factors(how.divide_by, dtype)
     comms = (comm,) if how.replicate is None else (comm, how.replicate)
-    averages = all(c.averages or c.world == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16) and not how.force_sum
-    if averages and not how.user_factor and how.divide_by == math.prod(c.world for c in comms):
+    averages = all(c.averages or c.size() == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16) and not how.force_sum
+    if averages and not how.user_factor and how.divide_by == math.prod(c.size() for c in comms):
         return pre, 1, _average(comm), _average(how.replicate or comm)
     if averages and how.user_factor and how.divide_by == comm.world:  # the shard dim's average, summed over replicas
         return pre, 1, _average(comm), dist.ReduceOp.SUM
@@ -328,7 +337,7 @@ def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[fl
 
 def _average(comm: Comm):
     """AVG, or SUM over one rank (the same; NCCL's AVG over one rank is unreliable)."""
-    return dist.ReduceOp.AVG if comm.world > 1 else dist.ReduceOp.SUM
+    return dist.ReduceOp.AVG if comm.size() > 1 else dist.ReduceOp.SUM
 
 
 def _op_name(op) -> str:
@@ -339,7 +348,8 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
     """HSDP, once the reduce-scatter is done: add the sums kept from reductions without an
     all-reduce, then all-reduce the chunk over the replicas (unless it is kept instead)."""
     replicate = how.replicate if how.keep_partial is None else None
-    traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=replicate.world, mesh_dim=replicate.mesh_dim, op=_op_name(op)) if replicate is not None else None
+    world = replicate.size() if replicate is not None else 1
+    traced = trace.record("all_reduce", name, dtype=chunk.dtype, numel=chunk.numel(), world=world, mesh_dim=replicate.mesh_dim, op=_op_name(op)) if replicate is not None else None
 
     def launch(async_op: bool):
         if how.partial is not None:  # in the units of this chunk (sums, or averages over the shard dim)
@@ -347,7 +357,7 @@ def _over_replicas(first: Handle, chunk: torch.Tensor, streams: Streams, name: s
             chunk.add_(partial, alpha=partial_over / averaged_over)
         if replicate is None:
             return None, {}
-        check.before(replicate.process_group, "all_reduce", name, chunk.dtype, chunk.numel(), replicate.world)
+        check.before(replicate.process_group, "all_reduce", name, chunk.dtype, chunk.numel(), world)
         work = dist.all_reduce(chunk, op=op, group=replicate.process_group, async_op=async_op)
         return work, {}
 

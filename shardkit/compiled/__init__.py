@@ -102,7 +102,7 @@ def fully_shard(
     signature; the options this mode does not take raise ``NotImplementedError``."""
     modules = setup.check_modules(module)
     mesh = meshes.default_mesh() if mesh is None else mesh
-    meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None)
+    meshes.check_mesh(mesh, spmd=dp_mesh_dims is not None, compiled=True)
     spmd = meshes.spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
     dp_mesh = spmd.dp_mesh if spmd is not None else mesh  # 1-D, or 2-D (replicate, shard)
     overlap.install()

@@ -125,7 +125,14 @@ def param_mesh(mesh_info: Any, where: str) -> DeviceMesh:
     return mesh
 
 
-def check_mesh(mesh: Any, spmd: bool = False) -> None:
+def resizable(pg: dist.ProcessGroup) -> bool:
+    """Whether a process group may change its size between steps: one written in Python
+    (torchft's ``ManagedProcessGroup``, whose ``size()`` is the replicas in the current quorum,
+    or any wrapper), not a plain c10d group. Its size is read at each reduction."""
+    return type(pg) is not dist.ProcessGroup
+
+
+def check_mesh(mesh: Any, spmd: bool = False, compiled: bool = False) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"fully_shard expects mesh to be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
@@ -137,6 +144,7 @@ def check_mesh(mesh: Any, spmd: bool = False) -> None:
             f"{mesh.ndim}-D mesh {mesh}. With tensor parallel, pass the data-parallel part: mesh['dp'], or the "
             "full mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)."
         )
+    _check_fixed_groups(mesh, spmd, compiled)
     if mesh.device_type == "meta":
         raise ValueError(
             f"fully_shard cannot shard over {mesh}: a meta-device mesh runs no collectives. Build the mesh on "
@@ -148,6 +156,27 @@ def check_mesh(mesh: Any, spmd: bool = False) -> None:
             f"fully_shard got the CUDA mesh {mesh}, but CUDA is not available on this machine (torch "
             f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}). On the CPU use "
             "init_device_mesh('cpu', ...) with the gloo backend."
+        )
+
+
+def _check_fixed_groups(mesh: DeviceMesh, spmd: bool, compiled: bool) -> None:
+    """Only the replicate dim of an HSDP mesh, in eager mode, may be a group whose size changes
+    (``resizable``): the shards' sizes follow the shard dim's ranks, and compiled mode's graphs
+    name their groups' sizes."""
+    if mesh.device_type == "meta":
+        return
+    for dim in range(mesh.ndim):
+        pg = mesh.get_group(dim)
+        if not resizable(pg) or (dim == 0 and mesh.ndim == 2 and not spmd and not compiled):
+            continue
+        name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim {dim}"
+        where = "in compiled mode" if compiled and dim == 0 and mesh.ndim == 2 else "as a shard dimension"
+        raise NotImplementedError(
+            f"fully_shard: the mesh's '{name}' dimension is a {type(pg).__name__}, a process group whose size "
+            f"may change between steps, which fully_shard cannot use {where}: only the replicate dimension of "
+            "an HSDP mesh (replicate, shard) may be one, in eager mode (shardkit.fully_shard). Shard over a "
+            "plain group (e.g. each replica group's own ranks) and put the changing group in the replicate "
+            "dimension, or reduce across it with set_all_reduce_hook (shardkit.ft does this for torchft)."
         )
 
 

@@ -359,7 +359,8 @@ class ParamGroup:
             partial = plan.take_partial(key)
             if not options.requires_all_reduce:
                 keep_partial = functools.partial(plan.keep_partial, key)  # instead of the all-reduce
-        return ReduceSettings(reduction.divide_by(options, part.mesh.size()), replicate=plan.replicate, partial=partial,
+        ranks = plan.comm.world * (plan.replicate.size() if plan.replicate is not None else 1)  # (a resizable replicate group: now)
+        return ReduceSettings(reduction.divide_by(options, ranks), replicate=plan.replicate, partial=partial,
                               keep_partial=keep_partial, custom=options.custom_reduce_scatter, hook=hook,
                               force_sum=options.force_sum_reduction, user_factor=options.gradient_divide_factor is not None)
 
