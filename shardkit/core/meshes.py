@@ -126,10 +126,12 @@ def param_mesh(mesh_info: Any, where: str) -> DeviceMesh:
 
 
 def resizable(pg: dist.ProcessGroup) -> bool:
-    """Whether a process group may change its size between steps: one written in Python
-    (torchft's ``ManagedProcessGroup``, whose ``size()`` is the replicas in the current quorum,
-    or any wrapper), not a plain c10d group. Its size is read at each reduction."""
-    return type(pg) is not dist.ProcessGroup
+    """Whether a process group may change its size between steps: one written in Python that
+    c10d did not make (torchft's ``ManagedProcessGroup``, whose ``size()`` is the replicas in the
+    current quorum, or any such wrapper). c10d's groups, Python ones included (torch's threaded
+    test group), have the ranks they were made with. A resizable group's size is read at each
+    reduction."""
+    return type(pg) is not dist.ProcessGroup and pg not in dist.distributed_c10d._world.pg_group_ranks
 
 
 def check_mesh(mesh: Any, spmd: bool = False, compiled: bool = False) -> None:

@@ -18,6 +18,7 @@ through its own methods. docs/design.md walks through a step.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,7 @@ class Schedule:
         self.orders = Orders()
         self.forward_root: GroupState | None = None  # whose call opened the forward pass
         self.in_backward = False  # the end-of-backward callback is queued
+        self.thread: int | None = None  # the thread that opened the last forward pass: the step's
         # backward(create_graph=True), as for a gradient penalty: the graph it makes reads the
         # unsharded parameters in the next backward, so this one keeps their gathered data
         self.creates_graph = False
@@ -124,6 +126,17 @@ class Schedule:
         self.collectives = collectives
 
     # Events ------------------------------------------------------------------------------------
+    def off_step_thread(self) -> bool:
+        """Whether the caller is another thread than the one running the steps (torchft's
+        quorum thread asking for a state dict while the step runs)."""
+        return self.thread is not None and threading.get_ident() != self.thread
+
+    def busy(self) -> bool:
+        """A pass is open: the modules may hold unsharded parameters, the collectives' buffers
+        are in use, or reductions are in flight."""
+        return self.forward_root is not None or self.in_backward or any(
+            s.step.phase is not Phase.IDLE or s.group is not None and s.group.holding in (Holding.GATHERING, Holding.UNSHARDED) for s in self.states)
+
     def pre_forward(self, state: GroupState, call: Call) -> None:
         if self.in_backward:
             event = Event.RECOMPUTE
@@ -203,7 +216,7 @@ class Schedule:
 
     # Forward actions ---------------------------------------------------------------------------
     def open_pass(self, state: GroupState, call: Call) -> None:
-        self.forward_root = state
+        self.forward_root, self.thread = state, threading.get_ident()
         if self.device.type != "cpu":  # like DDP and FSDP2
             call.args, call.kwargs = to_device((call.args, call.kwargs), self.device)
         event = self.shared.options.take_post_optim_event()
