@@ -41,6 +41,7 @@ __all__ = [
     "check_collectives",
     "CollectiveMismatch",
     "checkpoint",
+    "ft",
     "plan",
     "MemTracker",
     "Plan",
@@ -48,13 +49,17 @@ __all__ = [
 ]
 
 
+_LAZY = ("checkpoint", "ft")
+
+
 def __getattr__(name: str) -> Any:
     """``shardkit.checkpoint`` is imported at its first use: it imports
-    torch.distributed.checkpoint, a slow import that ``import shardkit`` need not pay."""
-    if name == "checkpoint":
-        return importlib.import_module("shardkit.checkpoint")
+    torch.distributed.checkpoint, a slow import that ``import shardkit`` need not pay; and
+    ``shardkit.ft`` (torchft), which only torchft's users need."""
+    if name in _LAZY:
+        return importlib.import_module(f"shardkit.{name}")
     raise AttributeError(f"module 'shardkit' has no attribute '{name}'")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"checkpoint"})
+    return sorted(set(globals()) | set(_LAZY))

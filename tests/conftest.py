@@ -75,6 +75,7 @@ SPAWNING_PATHS = (  # node id prefixes: tests that spawn in their body or their 
     "tests/checkpoint/test_resume.py",  # resume_worker.py in fresh processes
     "tests/gloo/test_trace_env.py",  # torchrun, then python -m shardkit timeline
     "tests/gloo/test_pipeline.py",  # torchrun of pp_worker.py (4 ranks, pipelining)
+    "tests/gloo/test_torchft.py",  # ft_worker.py: 2 torchft replica groups x 2 ranks, a group killed and restarted
     "tests/fake/test_docs.py::test_the_two_block_script_prints_what_the_design_doc_shows",  # python -c
     "tests/planner/test_plan.py::test_cli_json_and_table",  # python -m shardkit plan
 )
