@@ -74,6 +74,8 @@ compiled mode / unsharded compiled (one sample per run; goal <= 0.6).
     --muon      part 3 alone (the other flags go to muon_bench.py: --quick, --skip-hsdp, --json, ...)
     --skip-muon the parts before it only
     --scaling   how the cost grows with the world and the block count (benchmarks/scaling.py)
+    --ft        torchft: a death's stall and heal time, the step with torchft against without
+                (benchmarks/ft_bench.py, its own flags: --rounds, --steps, --json)
     --compile-time  compiled mode's compile time at 4 and 32 blocks, with and without regions
                 (benchmarks/compile_time.py, its own flags: --layers, --dim, --seq, --json)
 """
@@ -894,6 +896,10 @@ def main() -> int:
         import muon_bench  # benchmarks/muon_bench.py, next to this file
 
         return muon_bench.main([a for a in sys.argv[1:] if a != "--muon"])
+    if "--ft" in sys.argv[1:]:  # torchft: benchmarks/ft_bench.py, its own flags
+        import ft_bench
+
+        return ft_bench.main([a for a in sys.argv[1:] if a != "--ft"])
     if "--compile-time" in sys.argv[1:]:  # the same: compile_time.py's own flags
         import compile_time  # benchmarks/compile_time.py, next to this file
 

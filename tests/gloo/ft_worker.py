@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,9 @@ def main(settings: dict) -> None:
         manager.register_state_dict_fn("fsdp2", load, lambda: {"model": net.state_dict(), "optim": sgd.state_dict()})
         opt = Optimizer(manager, sgd)
 
+    (Path(settings["ready"]) / f"{replica}-{rank}").touch()  # every group heartbeats before the first quorum:
+    while len(list(Path(settings["ready"]).iterdir())) < settings["replicas"] * GROUP_WORLD:  # it holds them all
+        time.sleep(0.02)
     step_now = [0]
     if settings["die"] == "in_hook":  # the group dies in the middle of its gradient average
         allreduce = manager.allreduce

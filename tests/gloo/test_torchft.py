@@ -48,7 +48,8 @@ class Run:
         # step 0 (whose state_dict read from torchft's thread FSDP2 does not survive: "setStorage"
         # in backward, about 1 run in 2); with a death the survivors go on alone.
         self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=REPLICAS if die is None else 1,
-                                           join_timeout_ms=100 if die is None else 400, heartbeat_timeout_ms=1000)
+                                           join_timeout_ms=10000, heartbeat_timeout_ms=1000)
+        (tmp / "ready").mkdir(parents=True, exist_ok=True)
         self.procs: dict[int, list[subprocess.Popen]] = {}
         self.restarts = 0
 
@@ -59,7 +60,7 @@ class Run:
             settings = dict(replica=replica, rank=rank, port=port, lighthouse=self.lighthouse.address(), impl=self.impl,
                             die=die if replica == 1 else None, die_at=self.die_at, steps=STEPS, replicas=REPLICAS,
                             init_sync=self.die is not None, sleep_s=0.02, timeout_s=RUN_TIMEOUT_S - 30, out=str(self.out(replica, rank)),
-                            log=str(self.tmp / f"steps-replica{replica}-rank{rank}-{self.restarts}.jsonl"))
+                            log=str(self.tmp / f"steps-replica{replica}-rank{rank}-{self.restarts}.jsonl"), ready=str(self.tmp / "ready"))
             log = open(self.tmp / f"replica{replica}-rank{rank}-{self.restarts}.log", "w")
             self.procs[replica].append(subprocess.Popen([sys.executable, str(HERE / "ft_worker.py"), json.dumps(settings)],
                                                         stdout=log, stderr=subprocess.STDOUT, cwd=HERE))
