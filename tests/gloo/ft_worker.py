@@ -43,8 +43,34 @@ def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net(x).square().mean()
 
 
+def managed_mesh(manager, replicas: int, rank: int):
+    """HSDP whose replicate dim is torchft's managed group (the ranks of this position in every
+    group of the quorum: its size is the participants) and whose shard dim is this group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchft.process_group import ManagedProcessGroup
+
+    group = ManagedProcessGroup(manager)
+    name = f"torchft_managed_{rank}"
+    group._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, group)  # DeviceMesh.get_group finds it by name
+    ranks = torch.arange(replicas * GROUP_WORLD).view(replicas, GROUP_WORLD)  # (only this group's row is ever read)
+    return DeviceMesh.from_group([group, dist.group.WORLD], "cpu", mesh=ranks, mesh_dim_names=("replicate", "shard"))
+
+
+def registered(manager, net: nn.Module, sgd: torch.optim.Optimizer):
+    """The model's and the optimizer's state given to torchft by hand, and its optimizer."""
+    from torchft import Optimizer
+
+    def load(state):
+        net.load_state_dict(state["model"])
+        sgd.load_state_dict(state["optim"])
+
+    manager.register_state_dict_fn("user", load, lambda: {"model": net.state_dict(), "optim": sgd.state_dict()})
+    return Optimizer(manager, sgd)
+
+
 def main(settings: dict) -> None:
-    from torchft import Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, ProcessGroupGloo
 
     replica, rank = settings["replica"], settings["rank"]
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(settings["port"]), RANK=str(rank), WORLD_SIZE=str(GROUP_WORLD))
@@ -53,34 +79,31 @@ def main(settings: dict) -> None:
                       replica_id=f"replica_{replica}", store_addr="localhost", store_port=settings["port"], rank=rank,
                       world_size=GROUP_WORLD, lighthouse_addr=settings["lighthouse"], timeout=timedelta(seconds=10),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30), init_sync=settings["init_sync"])
-    mesh = init_device_mesh("cpu", (GROUP_WORLD,), mesh_dim_names=("dp_shard",))
     net = model()
+    managed = settings.get("mesh") == "managed"
+    mesh = managed_mesh(manager, settings["replicas"], rank) if managed else init_device_mesh("cpu", (GROUP_WORLD,), mesh_dim_names=("dp_shard",))
     if settings["impl"] == "shardkit":
         import shardkit
         import shardkit.ft
 
-        for layer in net[::2]:
-            shardkit.fully_shard(layer, mesh=mesh)
-        shardkit.fully_shard(net, mesh=mesh)
-        sgd = torch.optim.SGD(net.parameters(), lr=LR)  # (on the sharded parameters)
+        fully_shard = shardkit.fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    for layer in net[::2]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    sgd = torch.optim.SGD(net.parameters(), lr=LR)  # (on the sharded parameters)
+    if managed:  # the mesh reduces across the groups itself: no hook
+        opt = registered(manager, net, sgd)
+    elif settings["impl"] == "shardkit":
         opt = shardkit.ft.fault_tolerant(net, manager, sgd).optimizer
     else:  # FSDP2 as torchtitan drives it
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule
 
-        for layer in net[::2]:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        sgd = torch.optim.SGD(net.parameters(), lr=LR)
         for m in net.modules():
             if isinstance(m, FSDPModule):
                 m.set_all_reduce_hook(lambda reduced: manager.allreduce(reduced).wait())
-
-        def load(state):
-            net.load_state_dict(state["model"])
-            sgd.load_state_dict(state["optim"])
-
-        manager.register_state_dict_fn("fsdp2", load, lambda: {"model": net.state_dict(), "optim": sgd.state_dict()})
-        opt = Optimizer(manager, sgd)
+        opt = registered(manager, net, sgd)
 
     (Path(settings["ready"]) / f"{replica}-{rank}").touch()  # every group heartbeats before the first quorum:
     while len(list(Path(settings["ready"]).iterdir())) < settings["replicas"] * GROUP_WORLD:  # it holds them all

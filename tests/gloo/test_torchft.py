@@ -40,10 +40,10 @@ class Run:
     """One job: the lighthouse, and REPLICAS groups of GROUP_WORLD worker processes; a group
     whose ranks exit with DIED is started again (with no death), as a scheduler restarts it."""
 
-    def __init__(self, tmp: Path, impl: str, die: str | None = None, die_at: int = 2) -> None:
+    def __init__(self, tmp: Path, impl: str, die: str | None = None, die_at: int = 2, mesh: str = "group") -> None:
         from torchft.coordination import LighthouseServer
 
-        self.tmp, self.impl, self.die, self.die_at = tmp, impl, die, die_at
+        self.tmp, self.impl, self.die, self.die_at, self.mesh = tmp, impl, die, die_at, mesh
         # A healthy run waits for every group at each quorum, and starts without init_sync's heal at
         # step 0 (whose state_dict read from torchft's thread FSDP2 does not survive: "setStorage"
         # in backward, about 1 run in 2); with a death the survivors go on alone.
@@ -59,7 +59,7 @@ class Run:
         for rank in range(GROUP_WORLD):
             settings = dict(replica=replica, rank=rank, port=port, lighthouse=self.lighthouse.address(), impl=self.impl,
                             die=die if replica == 1 else None, die_at=self.die_at, steps=STEPS, replicas=REPLICAS,
-                            init_sync=self.die is not None, sleep_s=0.02, timeout_s=RUN_TIMEOUT_S - 30, out=str(self.out(replica, rank)),
+                            init_sync=self.die is not None, sleep_s=0.02, mesh=self.mesh, timeout_s=RUN_TIMEOUT_S - 30, out=str(self.out(replica, rank)),
                             log=str(self.tmp / f"steps-replica{replica}-rank{rank}-{self.restarts}.jsonl"), ready=str(self.tmp / "ready"))
             log = open(self.tmp / f"replica{replica}-rank{rank}-{self.restarts}.log", "w")
             self.procs[replica].append(subprocess.Popen([sys.executable, str(HERE / "ft_worker.py"), json.dumps(settings)],
@@ -144,6 +144,7 @@ def replay(steps: list[tuple[int, dict[int, set[int]]]]) -> dict[str, torch.Tens
 
 
 def check_run(run: Run, results: dict) -> list[tuple[int, dict[int, set[int]]]]:
+    """The checks of every run (the module's docstring); the committed steps as torchft took them."""
     final = {results[k]["step"] for k in results}
     assert len(final) == 1, final  # every rank of every group ends at the same step
     steps = steps_taken(run.tmp)
@@ -171,9 +172,23 @@ def test_a_healthy_job_trains_as_the_unsharded_replay_and_bitwise_as_fsdp2(tmp_p
             assert torch.equal(runs["shardkit"].results[k]["shards"][name], shard), (k, name)
 
 
-@pytest.mark.parametrize("die", ["after_commit", "in_hook"])
-def test_a_group_killed_and_restarted_heals_and_nothing_is_lost(tmp_path, die):
-    run = Run(tmp_path, "shardkit", die=die)
+def test_torchfts_managed_group_as_the_replicate_dim_trains_as_the_replay_and_as_fsdp2(tmp_path):
+    """HSDP (replicate, shard) whose replicate dim is torchft's ManagedProcessGroup: its size is
+    the participants, read at each reduction; no hook."""
+    runs = {}
+    for impl in ("shardkit", "torch"):
+        (tmp_path / impl).mkdir()
+        runs[impl] = Run(tmp_path / impl, impl, mesh="managed")
+        runs[impl].results = runs[impl].run()
+        check_run(runs[impl], runs[impl].results)
+    for k, theirs in runs["torch"].results.items():  # (FSDP2 averages in the collectives, shardkit sums then divides)
+        for name, shard in theirs["shards"].items():
+            torch.testing.assert_close(runs["shardkit"].results[k]["shards"][name], shard, msg=lambda m: f"{k} {name}: {m}")
+
+
+@pytest.mark.parametrize("mesh,die", [("group", "after_commit"), ("group", "in_hook"), ("managed", "after_commit")])
+def test_a_group_killed_and_restarted_heals_and_nothing_is_lost(tmp_path, mesh, die):
+    run = Run(tmp_path, "shardkit", die=die, mesh=mesh)
     results = run.run()
     assert run.restarts == 1, run.restarts
     counts = [count for count, _ in check_run(run, results)]
