@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import threading
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -1013,6 +1014,25 @@ class Run:
         if side is not None:
             sd = {k: v.detach().clone() for k, v in side.model.state_dict().items()}
             side.model.load_state_dict(sd)
+        return True
+
+    def do_state_dict_from_thread(self, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:
+        """``state_dict()`` from another thread (torchft's quorum thread), the training thread
+        waiting: the same keys, placements and local shards as the training thread's own after it."""
+        if dry:
+            return self.idle()
+        if side is not None:
+            got: list = []
+            reader = threading.Thread(target=lambda: got.append({k: v.detach().clone() for k, v in side.model.state_dict().items()}))
+            reader.start()
+            reader.join()
+            own = side.model.state_dict()
+            assert got and set(got[0]) == set(own), (side.impl, sorted(set(got[0]) ^ set(own)) if got else "the thread raised")
+            for k, v in own.items():
+                theirs = got[0][k]
+                assert type(theirs) is type(v) and getattr(theirs, "placements", None) == getattr(v, "placements", None), (side.impl, k, type(theirs))
+                local = (lambda t: t.to_local() if hasattr(t, "to_local") else t)
+                assert torch.equal(local(theirs), local(v)), (side.impl, k, "the thread read other values")
         return True
 
     def do_load_reference(self, scale: float, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

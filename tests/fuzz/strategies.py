@@ -84,7 +84,7 @@ def _training_calls() -> list[st.SearchStrategy[tuple]]:
     return [train, train, clipped, forward, forward, evaluate, st.just(("backward",)), st.just(("backward",)), st.just(("step",)), st.just(("zero_grad",))]
 
 
-STATE_CALLS = [st.just(("state_dict_roundtrip",)), st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0]))]
+STATE_CALLS = [st.just(("state_dict_roundtrip",)), st.just(("state_dict_from_thread",)), st.tuples(st.just("load_reference"), st.sampled_from([0.5, 2.0]))]
 CLIP = st.tuples(st.just("clip"), st.sampled_from([0.01, 1000.0]))  # clips every gradient / none
 PRE_HOOK = st.tuples(st.just("pre_hook"), targets)  # a block's forward pre-hook reads its weight (the blocks only)
 
