@@ -956,7 +956,7 @@ class Run:
             return True
         block = side.model.get_submodule(target)
         if not getattr(block, "_fuzz_pre_hooked", False):
-            block.register_forward_pre_hook(lambda m, args, reads=side.pre_hook_reads: reads.append((target, m.lin.weight.detach().clone())))
+            block.register_forward_pre_hook(lambda m, args, reads=side.pre_hook_reads: reads.append((target, _read(m.lin.weight))))
             block._fuzz_pre_hooked = True
         return True
 
@@ -1103,6 +1103,16 @@ def _prefetches_back(knob: str, target: str, names: list[str]) -> bool:
     if knob == "modules_to_forward_prefetch":
         return any(index(n) <= index(target) for n in names)
     return target != "" and any(index(n) >= index(target) for n in names)
+
+
+def _read(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` as a pre-hook reads it. Under inference_mode a tensor-parallel weight
+    is cloned without ``detach()``: torch refuses to detach, inside inference_mode, a DTensor made
+    outside it ("Cannot set version_counter for inference tensor"; FSDP2's weights after a
+    training step and shardkit's unsharded ones alike); there nothing records autograd anyway."""
+    if torch.is_inference_mode_enabled() and isinstance(weight, DTensor):
+        return weight.clone()
+    return weight.detach().clone()
 
 
 def _leave_as_is(reduced: torch.Tensor) -> None:
