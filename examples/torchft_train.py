@@ -98,7 +98,9 @@ def worker(settings: dict) -> None:
         step += committed
         print(json.dumps(dict(time=time.time(), step=step, committed=committed, participants=participants, healing=healing,
                               loss=loss.item(), step_s=time.perf_counter() - started)), file=status, flush=True)
-        if committed and step >= settings["steps"] and participants == settings["groups"]:
+        done = torch.tensor([committed and step >= settings["steps"] and participants == settings["groups"]], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # the group's ranks stop together (each asks its own quorum)
+        if done.item():
             break
         time.sleep(settings["sleep_s"])
     if manager is not None:

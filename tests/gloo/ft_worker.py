@@ -129,7 +129,9 @@ def main(settings: dict) -> None:
         print(json.dumps([step, participants, participating, committed]), file=log, flush=True)  # (kept if it dies next)
         if settings["die"] == "after_commit" and committed and step == settings["die_at"]:
             os._exit(DIED)
-        if committed and step + 1 >= settings["steps"] and participants == settings["replicas"]:
+        done = torch.tensor([committed and step + 1 >= settings["steps"] and participants == settings["replicas"]], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # the group's ranks stop together (each asks its own quorum)
+        if done.item():
             break
         time.sleep(settings["sleep_s"])
     shards = {n: p.to_local().detach().clone() for n, p in net.named_parameters()}
