@@ -323,6 +323,14 @@ def _fsdp2_unsharded(model: nn.Module) -> bool:
     return any(g is not None and (g.is_unsharded or g._all_gather_result is not None) for g in groups)  # (or its all-gather pending)
 
 
+def _fsdp2_gathers_in(model: nn.Module) -> set[torch.dtype]:
+    """The dtypes of the buffers torch's FSDP2 all-gathers into, once its lazy init made them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return {t.dtype for g in groups if g is not None for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])}
+
+
 def _group_size(script_group) -> int:
     return dist.ProcessGroup.unbox(script_group).size()
 
@@ -1086,6 +1094,11 @@ class Run:
             return self.idle() and self.dtype is torch.float32  # (with mp too: the policy stays, as in FSDP2)
         if side is not None:
             side.model.to(torch.float64)
+            if side.impl == "torch" and _fsdp2_gathers_in(side.model) - {torch.float64} and not self.spec.mp:
+                # make fuzz seed 12 (pipeline_microbatches, to_float64, train on HSDP): FSDP2 keeps the
+                # all-gather buffers of its lazy init, so it computes and reduces in float32 (AVG)
+                # on a float64 model, or fails on a dtype mismatch; shardkit gathers in float64.
+                side.alive, side.why_out = False, "to(float64) after its first forward: FSDP2 still gathers and reduces in float32"
             return True
         if reference:
             self.reference.to(torch.float64)
