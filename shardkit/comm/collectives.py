@@ -39,7 +39,7 @@ from shardkit.comm import check, trace
 from shardkit.comm.buckets import Bucket, GatherBucket
 from shardkit.comm.streams import Collective, Handle, Streams, call_on
 from shardkit.core.meshes import resizable
-from shardkit.core.reduction import divide_factors, hook_sees_divided
+from shardkit.core.reduction import divide_factors, divides_in_collectives
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -263,7 +263,7 @@ class Reduction:
         counts = counts.tolist() if self.missing else None
         # set_all_reduce_hook: the chunk as FSDP2's hook has it (core/reduction.py), so any
         # division that comes after the hook waits for it.
-        divide_first = settings.hook is None or hook_sees_divided(bucket.dtype, settings.force_sum)
+        divide_first = settings.hook is None or divides_in_collectives(bucket.dtype, settings.force_sum)
         if divide_first:
             reduced = self._divide(reduced)
         if settings.hook is not None:
@@ -324,10 +324,10 @@ def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[fl
     (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
     divided after; a user's divide factor equal to the shard dim's ranks averages there only
     (FSDP2's choice); not with ``set_force_sum_reduction_for_comms``. (A user's reduce-scatter is
-    given the op; what an all-reduce hook sees: ``hook_sees_divided``.)"""
+    given the op; what an all-reduce hook sees: ``divides_in_collectives``.)"""
     pre, post = divide_factors(how.divide_by, dtype)
     comms = (comm,) if how.replicate is None else (comm, how.replicate)
-    averages = all(c.averages or c.size() == 1 for c in comms) and dtype in (torch.float32, torch.bfloat16) and not how.force_sum
+    averages = all(c.averages or c.size() == 1 for c in comms) and divides_in_collectives(dtype, how.force_sum)
     if averages and not how.user_factor and how.divide_by == math.prod(c.size() for c in comms):
         return pre, 1, _average(comm), _average(how.replicate or comm)
     if averages and how.user_factor and how.divide_by == comm.world:  # the shard dim's average, summed over replicas
