@@ -315,20 +315,23 @@ class Collectives(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _fsdp2_unsharded(model: nn.Module) -> bool:
-    """Whether a group of torch's FSDP2 holds (or is gathering) its unsharded parameters now."""
+def _fsdp2_groups(model: nn.Module) -> list:
+    """The parameter groups of torch's FSDP2 in ``model`` (modules without parameters have none)."""
     from torch.distributed.fsdp import FSDPModule
 
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-    return any(g is not None and (g.is_unsharded or g._all_gather_result is not None) for g in groups)  # (or its all-gather pending)
+    groups = (m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule))
+    return [g for g in groups if g is not None]
+
+
+def _fsdp2_unsharded(model: nn.Module) -> bool:
+    """Whether a group of torch's FSDP2 holds (or is gathering) its unsharded parameters now."""
+    groups = _fsdp2_groups(model)
+    return any((g.is_unsharded or g._all_gather_result is not None) for g in groups)  # (or its all-gather pending)
 
 
 def _fsdp2_gathers_in(model: nn.Module) -> set[torch.dtype]:
     """The dtypes of the buffers torch's FSDP2 all-gathers into, once its lazy init made them."""
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-    return {t.dtype for g in groups if g is not None for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])}
+    return {t.dtype for g in _fsdp2_groups(model) for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])}
 
 
 def _group_size(script_group) -> int:
