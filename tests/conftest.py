@@ -93,10 +93,13 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_graphs.py::test_a_frozen_integer",  # torch.compile, 3 models: ~6 s
     "tests/fake/test_compiled_graphs.py::test_a_group_of_several",  # torch.compile, 4 models
     "tests/fake/test_compiled_graphs.py::test_blocks_under_the_users_checkpoint_train",  # torch.compile, twice: ~3 s
+    "tests/fake/test_compiled_graphs.py::test_blocks_under_the_users_checkpoint_compile",  # torch.compile, 4 times
+    "tests/fake/test_compiled_graphs.py::test_more_models_and_breaking_blocks",  # torch.compile past dynamo's recompile limit
     "tests/fake/test_compiled_overlap.py",  # inductor compiles the GPT: ~15 s
     "tests/fake/test_compiled_fuzz_models.py",  # torch.compile of the fuzzer's models: ~10 s
     "tests/fake/test_compiled_methods.py::test_a_new_setting",  # torch.compile, 4 times
     "tests/fake/test_compiled_methods.py::test_hsdp",
+    "tests/fake/test_compiled_methods.py::test_the_compiled_graphs_collectives",  # torch.compile, twice
     "tests/fake/test_compiled_regions.py::test_repeated",  # torch.compile of a 4-block GPT, 4 steps, traced
     "tests/fake/test_compiled_regions.py::test_blocks_that_differ",
     "tests/fake/test_compiled_regions.py::test_peak_memory",

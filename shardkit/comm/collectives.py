@@ -26,7 +26,6 @@ all-reduce ("via all_reduce").
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,7 +38,7 @@ from shardkit.comm import check, trace
 from shardkit.comm.buckets import Bucket, GatherBucket
 from shardkit.comm.streams import Collective, Handle, Streams, call_on
 from shardkit.core.meshes import resizable
-from shardkit.core.reduction import divide_factors, divides_in_collectives
+from shardkit.core.reduction import divides_in_collectives, reduce_ops
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -319,25 +318,16 @@ class UserReduceScatter(Reduction):
 
 
 def _reduce_ops(comm: Comm, how: ReduceSettings, dtype: torch.dtype) -> tuple[float, float, Any, Any]:
-    """(divide before, divide after, the reduce-scatter's op, the HSDP all-reduce's op). SUM
-    and a division, except for fp32/bf16 divided by the ranks on a backend that averages
-    (NCCL): there the collectives average (as FSDP2), in both with HSDP, and nothing is
-    divided after; a user's divide factor equal to the shard dim's ranks averages there only
-    (FSDP2's choice); not with ``set_force_sum_reduction_for_comms``. (A user's reduce-scatter is
-    given the op; what an all-reduce hook sees: ``divides_in_collectives``.)"""
-    pre, post = divide_factors(how.divide_by, dtype)
-    comms = (comm,) if how.replicate is None else (comm, how.replicate)
-    averages = all(c.averages or c.size() == 1 for c in comms) and divides_in_collectives(dtype, how.force_sum)
-    if averages and not how.user_factor and how.divide_by == math.prod(c.size() for c in comms):
-        return pre, 1, _average(comm), _average(how.replicate or comm)
-    if averages and how.user_factor and how.divide_by == comm.world:  # the shard dim's average, summed over replicas
-        return pre, 1, _average(comm), dist.ReduceOp.SUM
-    return pre, post, dist.ReduceOp.SUM, dist.ReduceOp.SUM
+    """(divide before, divide after, the reduce-scatter's op, the HSDP all-reduce's op), as
+    ``core/reduction.reduce_ops`` decides them. (A user's reduce-scatter is given the op; what
+    an all-reduce hook sees: ``divides_in_collectives``.)"""
+    replicate = None if how.replicate is None else (how.replicate.size(), how.replicate.averages)
+    ops = reduce_ops(how.divide_by, dtype, how.force_sum, how.user_factor, (comm.size(), comm.averages), replicate)
+    return ops.before, ops.after, _op(ops.shard_averages), _op(ops.replicate_averages)
 
 
-def _average(comm: Comm):
-    """AVG, or SUM over one rank (the same; NCCL's AVG over one rank is unreliable)."""
-    return dist.ReduceOp.AVG if comm.size() > 1 else dist.ReduceOp.SUM
+def _op(averages: bool):
+    return dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
 
 
 def _op_name(op) -> str:

@@ -13,18 +13,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardkit.comm import trace
 from shardkit.compiled.group import CompiledGroup, Copy, GraphBucket, by_uid
-from shardkit.core.reduction import divide_factors
+from shardkit.core.reduction import ReduceOps, reduce_ops
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam
 
 
 class _GatherGraphBucket(torch.autograd.Function):
     """Forward: cast to ``param_dtype`` and all-gather the flat shards. Backward: reduce-scatter
-    the gradient in ``reduce_dtype`` (HSDP: then all-reduce it over the replicas), divided as
-    eager mode divides it (core/reduction.py: by ``divide_by``, fp16 partly before the sum),
-    in the shards' dtype. HSDP without the all-reduce (``set_requires_all_reduce(False)``): the
-    reduce-scattered sums go to the ``partial`` leaf's gradient instead, undivided, and the next
-    backward with it adds them before its all-reduce, as eager mode."""
+    the gradient in ``reduce_dtype`` (HSDP: then all-reduce it over the replicas), with the ops
+    and divisions eager mode uses (core/reduction.py's ``reduce_ops``: AVG where the backend
+    averages, else SUM and ``divide_by``, fp16 partly before the sum), in the shards' dtype.
+    HSDP without the all-reduce (``set_requires_all_reduce(False)``): the reduce-scattered rows
+    go to the ``partial`` leaf's gradient instead, not divided after, and the next backward
+    with it adds them before its all-reduce, as eager mode."""
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, reuse: torch.Tensor | None,
@@ -66,27 +67,36 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
     grad = torch.cat([grad.to(ctx.reduce_dtype).reshape(shard.world, -1), used.to(ctx.reduce_dtype).expand(shard.world, -1)], dim=1).view(-1)
     if not settings.sync:  # set_requires_gradient_sync(False): the unsharded gradient is kept, not reduced
         return None, grad, None, None
-    pre, post = divide_factors(settings.divide_by, ctx.reduce_dtype)
+    ops = reduction_ops(group, settings, ctx.reduce_dtype)
+    shard_op, replicate_op = "avg" if ops.shard_averages else "sum", "avg" if ops.replicate_averages else "sum"
     if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
         grad = unreduced + grad
-    if pre != 1:
-        grad = grad / pre
+    if ops.before != 1:
+        grad = grad / ops.before
     reduced = grad
     if shard.world > 1:
-        _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False)
-        reduced = _reduce_scatter(grad, shard)  # (per_rank + n,)
+        _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False, shard_op)
+        reduced = _reduce_scatter(grad, shard, shard_op)  # (per_rank + n,)
         _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
     if group.hsdp and not settings.all_reduce:  # kept for the next all-reduce
         return None, None, reduced, None
     if partial is not None:  # as eager mode: this backward's sums, plus those kept
         reduced = reduced + partial
     if group.all_reduces:
-        _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False)
-        reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, "sum", replicate.pg_name))
+        _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False, replicate_op)
+        reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, replicate_op, replicate.pg_name))
         _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
-    reduced = reduced / post
+    if ops.after != 1:
+        reduced = reduced / ops.after
     rows, counts = reduced.split([reduced.numel() - ctx.marks, ctx.marks])
     return rows.to(ctx.dtype), None, None, counts
+
+
+def reduction_ops(group: CompiledGroup, settings: "Settings", reduce_dtype: torch.dtype) -> ReduceOps:
+    """The ops and divisions of the group's reduction (core/reduction.py's rule, as eager mode's)."""
+    shard, replicate = group.shard_comm, group.replicate_comm
+    over_replicas = (replicate.world, replicate.averages) if group.hsdp else None
+    return reduce_ops(settings.divide_by, reduce_dtype, settings.force_sum, settings.user_factor, (shard.world, shard.averages), over_replicas)
 
 
 def _gathered_rows(send: torch.Tensor, flat: torch.Tensor, group: CompiledGroup, settings: "Settings", traced: bool) -> torch.Tensor:
@@ -112,23 +122,23 @@ def _all_gather(send: torch.Tensor, name: str, comm: Any, traced: bool) -> torch
     return gathered
 
 
-def _reduce_scatter(grad: torch.Tensor, shard: Any) -> torch.Tensor:
+def _reduce_scatter(grad: torch.Tensor, shard: Any, op: str) -> torch.Tensor:
     """The summed rows of this rank. On gloo, whose reduce-scatter is slow, the bytes of one as
     an all-to-all (chunk r to rank r) and the sum of the received chunks here, as eager mode
     (docs/design.md, "On gloo, reduce-scatter is an all-to-all"): the same sum, in the same order.
     A complex gradient goes as its real view (gloo's all-to-all takes no complex dtype)."""
     if grad.is_complex():
-        return torch.view_as_complex(_reduce_scatter(torch.view_as_real(grad).reshape(-1), shard).view(-1, 2))
-    if shard.gloo:
+        return torch.view_as_complex(_reduce_scatter(torch.view_as_real(grad).reshape(-1), shard, op).view(-1, 2))
+    if shard.gloo:  # (gloo never averages: op is "sum")
         splits = [grad.numel() // shard.world] * shard.world
         chunks = torch.ops._c10d_functional.all_to_all_single(grad, splits, splits, shard.pg_name)
         return torch.ops._c10d_functional.wait_tensor(chunks).view(shard.world, -1).sum(0)
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", shard.world, shard.pg_name))
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(grad, op, shard.world, shard.pg_name))
 
 
-def _trace(traced: bool, x: torch.Tensor, kind: str, group: str, comm: Any, done: bool) -> None:
+def _trace(traced: bool, x: torch.Tensor, kind: str, group: str, comm: Any, done: bool, op: str = "") -> None:
     if traced:
-        torch.ops.shardkit.trace_collective(x, kind, group, comm.world, comm.mesh_dim, done)
+        torch.ops.shardkit.trace_collective(x, kind, group, comm.world, comm.mesh_dim, done, op=op)
 
 
 # The trace (``shardkit.trace()``) sees compiled-mode collectives as eager mode's: an op that
@@ -138,22 +148,25 @@ _issued: dict[tuple[str, str], list] = {}  # (kind, group) -> its records issued
 
 
 @torch.library.custom_op("shardkit::trace_collective", mutates_args=())
-def _trace_collective(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool, numel: int = -1, dtype: torch.dtype | None = None) -> None:
+def _trace_collective(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool, numel: int = -1, dtype: torch.dtype | None = None,
+                      op: str = "") -> None:
     """``x``: the collective's input (issued) or its output (done): its dtype and size, unless
-    ``numel`` (the input's elements) and ``dtype`` say them (a region's trace, region.py)."""
+    ``numel`` (the input's elements) and ``dtype`` say them (a region's trace, region.py);
+    ``op``: a reduction's ("sum", "avg"), as eager mode's trace has it."""
     if not trace.is_recording():
         return
     queue = _issued.setdefault((kind, group), [])
     if not done:
         numel = x.numel() if numel < 0 else numel
         numel = numel * world if kind == "all_gather" else numel
-        queue.append(trace.record(kind, group, dtype=x.dtype if dtype is None else dtype, numel=numel, world=world, mesh_dim=mesh_dim))
+        queue.append(trace.record(kind, group, dtype=x.dtype if dtype is None else dtype, numel=numel, world=world, mesh_dim=mesh_dim, op=op))
     elif queue:
         trace.done(queue.pop(0))
 
 
 @_trace_collective.register_fake
-def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool, numel: int = -1, dtype: torch.dtype | None = None) -> None:
+def _(x: torch.Tensor, kind: str, group: str, world: int, mesh_dim: str, done: bool, numel: int = -1, dtype: torch.dtype | None = None,
+      op: str = "") -> None:
     return None
 
 
@@ -208,6 +221,8 @@ class Settings(NamedTuple):
     sync: bool  # set_requires_gradient_sync
     reshard: bool  # reshard after forward: backward gathers again
     divide_by: float
+    user_factor: bool  # divide_by is set_gradient_divide_factor's
+    force_sum: bool  # set_force_sum_reduction_for_comms
     all_reduce: bool  # set_requires_all_reduce (HSDP)
     post_forward: bool  # reshard_after_forward=R (with grad): gather in two steps, keep 1/R
     keep: bool  # set_reshard_after_backward(False) (with grad): backward keeps the gathered rows
@@ -219,7 +234,8 @@ class Settings(NamedTuple):
         grad = torch.is_grad_enabled()
         post_forward = bool(reshard) and group.two_step and grad
         keep = not options.reshard_after_backward and grad
-        return Settings(bool(options.requires_gradient_sync), bool(reshard), group.divide_by, bool(options.requires_all_reduce), post_forward, keep)
+        return Settings(bool(options.requires_gradient_sync), bool(reshard), group.divide_by, options.gradient_divide_factor is not None,
+                        bool(options.force_sum_reduction), bool(options.requires_all_reduce), post_forward, keep)
 
     def per_bucket(self, group: CompiledGroup) -> list["Settings"]:
         """Each bucket's: a bucket of weights tied to an earlier call's is reduced with that

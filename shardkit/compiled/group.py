@@ -77,18 +77,21 @@ class GraphBucket:
 class GraphComm:
     """One mesh dim a group's collectives run over: its process group's name (what the
     functional collectives take), its ranks, its name (for the trace), and whether it is gloo
-    (whose reduce-scatter is slow: gather.py reduces with an all-to-all and a sum, as eager mode)."""
+    (whose reduce-scatter is slow: gather.py reduces with an all-to-all and a sum, as eager mode)
+    or averages (NCCL: ``ReduceOp.AVG``, core/reduction.py's ``reduce_ops``)."""
 
     pg_name: str
     world: int
     mesh_dim: str
     gloo: bool = False
+    averages: bool = False
 
     @staticmethod
     def of(mesh: DeviceMesh, dim: int) -> "GraphComm":
         name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
         pg = mesh.get_group(dim)
-        return GraphComm(pg.group_name, mesh.size(dim), name, backend_of(pg)[0])
+        gloo, averages, _ = backend_of(pg)
+        return GraphComm(pg.group_name, mesh.size(dim), name, gloo, averages and mesh.size(dim) > 1)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ class CompiledFSDPModule(FSDPModule):
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
         self._shardkit().options.set_gradient_divide_factor(float(factor))
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """``True``: this group's graph reduces with ``SUM`` and divides after, where it would
+        average in the collectives (fp32/bf16 on NCCL), as eager mode. Not recursive."""
+        self._shardkit().options.set_force_sum_reduction(bool(enable))
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward keeps the unsharded gradients (summed in ``reduce_dtype``, no
         communication; the sharded parameters get no gradient) and the next backward with it
@@ -87,8 +92,6 @@ class CompiledFSDPModule(FSDPModule):
                 group.partial_leaf(b)  # made here, outside any compiled region
 
     # what one graph already does -------------------------------------------------------------
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted; compiled mode always reduces with ``SUM`` and divides after."""
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted; no effect: each compiled backward finishes its reductions in the graph."""

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from shardkit.compiled import unused
-from shardkit.compiled.gather import KEPT, Settings, gather_inputs, gathered, reused
+from shardkit.compiled.gather import KEPT, Settings, gather_inputs, gathered, reduction_ops, reused
 from shardkit.compiled.group import CompiledGroup
 
 REGIONS_FROM = 8  # blocks of one structure from which fully_shard compiles them as regions
@@ -323,8 +323,9 @@ class _Reductions(torch.autograd.Function):
         for bucket in group.buckets:
             numel = bucket.reduced_numel * group.shard_comm.world
             replicate = group.replicate_comm if settings.all_reduce else None
-            for kind, comm, n in (("reduce_scatter", group.shard_comm, numel), ("all_reduce", replicate, bucket.reduced_numel)):
+            ops = reduction_ops(group, settings, bucket.reduce_dtype)
+            for kind, comm, n, avg in (("reduce_scatter", group.shard_comm, numel, ops.shard_averages), ("all_reduce", replicate, bucket.reduced_numel, ops.replicate_averages)):
                 if comm is not None and comm.world > 1:
                     for done in (False, True):
-                        torch.ops.shardkit.trace_collective(grad, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype)
+                        torch.ops.shardkit.trace_collective(grad, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype, "avg" if avg else "sum")
         return None, None, grad

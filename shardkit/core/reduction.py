@@ -3,7 +3,7 @@ and how much of it before the sum."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,3 +39,33 @@ def divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2
     return float(pre), factor / pre
+
+
+class ReduceOps(NamedTuple):
+    """How one reduction divides: by ``before`` ahead of the sum, by ``after`` once it is done,
+    and whether the reduce-scatter and the HSDP all-reduce average (``ReduceOp.AVG``)
+    instead of summing."""
+
+    before: float
+    after: float
+    shard_averages: bool
+    replicate_averages: bool
+
+
+def reduce_ops(divide_by: float, dtype: torch.dtype, force_sum: bool, user_factor: bool,
+               shard: tuple[int, bool], replicate: tuple[int, bool] | None) -> ReduceOps:
+    """The ops of one reduction over ``shard`` (and, HSDP, ``replicate``), each given as
+    (ranks, whether its backend averages: NCCL). SUM and a division, except where every dim's
+    backend averages and the collectives may divide (``divides_in_collectives``): divided by the
+    data-parallel ranks, both dims average (FSDP2's choice); by a user's factor equal to the
+    shard dim's ranks, the shard dim alone. A dim of one rank sums (the same; NCCL's AVG over
+    one rank is unreliable)."""
+    # (no generators: dynamo traces this inside compiled mode's backward)
+    before, after = divide_factors(divide_by, dtype)
+    over = replicate or (1, True)
+    averages = (shard[1] or shard[0] == 1) and (over[1] or over[0] == 1) and divides_in_collectives(dtype, force_sum)
+    if averages and not user_factor and divide_by == shard[0] * over[0]:
+        return ReduceOps(before, 1.0, shard[0] > 1, (replicate or shard)[0] > 1)
+    if averages and user_factor and divide_by == shard[0]:
+        return ReduceOps(before, 1.0, shard[0] > 1, False)
+    return ReduceOps(before, after, False, False)

@@ -265,3 +265,63 @@ def test_register_fsdp_forward_method_gathers_around_the_method():
             shape, _ = model.score(torch.randn(2, 8))
     assert shape == (8, 8)  # unsharded while the method runs (the shard is (1, 8))
     assert [e.kind for e in t.collectives()] == ["all_gather"]
+
+
+# The reduction's ops: one rule (core/reduction.reduce_ops) for both modes ------------------------
+_F16 = shardkit.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+_BF16 = shardkit.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+_KNOBS = {"default": {}, "divide_by_the_shard_ranks": {"set_gradient_divide_factor": 4.0}, "divide_by_3": {"set_gradient_divide_factor": 3.0},
+          "divide_by_all_ranks": {"set_gradient_divide_factor": 8.0}, "force_sum": {"set_force_sum_reduction_for_comms": True}}
+
+
+def _reductions(fully_shard, mesh, policy, knobs) -> list[tuple]:
+    """(kind, op, dtype, elements, ranks) of each reduction of one forward and backward."""
+    model = gpt(fully_shard, mesh=mesh, **({"mp_policy": policy} if policy is not None else {}))
+    for module in model.modules():
+        if isinstance(module, shardkit.FSDPModule):
+            for method, value in knobs.items():
+                getattr(module, method)(value)
+    with shardkit.trace() as t:
+        model(*batch())[1].backward()
+    return [(e.kind, e.op, e.dtype, e.numel, e.world) for e in t.collectives() if e.kind in ("reduce_scatter", "all_reduce")]
+
+
+@pytest.mark.parametrize("knobs", list(_KNOBS), ids=str)
+@pytest.mark.parametrize("policy", [None, _BF16, _F16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_compiled_mode_reduces_with_eager_modes_ops(hsdp, policy, knobs):
+    """On the fake process group (which averages, as NCCL): each reduction of compiled mode has
+    eager mode's op (AVG in fp32/bf16 divided by the ranks, or by a factor equal to the shard
+    ranks; SUM in fp16, with another factor, or with force-sum) over the same elements and ranks."""
+    with fake_world(8) as mesh:
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        elif "shard_ranks" in knobs:
+            knobs = "divide_by_all_ranks"  # (a 1-D mesh's shard dim is all its ranks)
+        eager = _reductions(shardkit.fully_shard, mesh, policy, _KNOBS[knobs])
+        compiled = _reductions(shardkit.compiled.fully_shard, mesh, policy, _KNOBS[knobs])
+    assert compiled == eager and eager
+    averages = policy is not _F16 and knobs in ("default", "divide_by_the_shard_ranks") + (() if hsdp else ("divide_by_all_ranks",))
+    assert {op for kind, op, *_ in eager if kind == "reduce_scatter"} == {"avg" if averages else "sum"}
+
+
+def test_the_compiled_graphs_collectives_take_the_traced_ops():
+    """The backward graph's reduce-scatters and all-reduces take the op its trace records: AVG
+    by default on the fake process group, SUM with force-sum, in the graph, not only in the trace."""
+    def graph_ops(force_sum: bool) -> list[str]:
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        model = gpt(shardkit.compiled.fully_shard, mesh=mesh)
+        for module in model.modules():
+            if isinstance(module, shardkit.FSDPModule):
+                module.set_force_sum_reduction_for_comms(force_sum)
+        recording = Recording()
+        with shardkit.trace() as t:
+            torch.compile(model, fullgraph=True, backend=recording)(*batch())[1].backward()
+        ops = [node.args[1] for gm in recording.graphs["backward"] for node in gm.graph.nodes
+               if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in ("reduce_scatter_tensor", "all_reduce")]
+        assert ops == [e.op for e in t.collectives() if e.kind in ("reduce_scatter", "all_reduce")]
+        return ops
+
+    with fake_world(8):
+        assert set(graph_ops(False)) == {"avg"} and set(graph_ops(True)) == {"sum"}
