@@ -24,8 +24,9 @@ class _GatherGraphBucket(torch.autograd.Function):
     and divisions eager mode uses (core/reduction.py's ``reduce_ops``: AVG where the backend
     averages, else SUM and ``divide_by``, fp16 partly before the sum), in the shards' dtype.
     HSDP without the all-reduce (``set_requires_all_reduce(False)``): the reduce-scattered rows
-    go to the ``partial`` leaf's gradient instead, not divided after, and the next backward
-    with it adds them before its all-reduce, as eager mode."""
+    go to the ``partial`` leaf's gradient instead, as sums (times the shard ranks where the
+    reduce-scatter averaged), and the next backward with it adds them before its all-reduce, in
+    its own rows' units, as eager mode."""
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, reuse: torch.Tensor | None,
@@ -78,10 +79,10 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
         _trace(ctx.traced, grad, "reduce_scatter", group.name, shard, False, shard_op)
         reduced = _reduce_scatter(grad, shard, shard_op)  # (per_rank + n,)
         _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
-    if group.hsdp and not settings.all_reduce:  # kept for the next all-reduce
-        return None, None, reduced, None
-    if partial is not None:  # as eager mode: this backward's sums, plus those kept
-        reduced = reduced + partial
+    if group.hsdp and not settings.all_reduce:  # kept for the next all-reduce, as sums (their ops may differ)
+        return None, None, reduced * shard.world if ops.shard_averages else reduced, None
+    if partial is not None:  # as eager mode: this backward's rows, plus the sums kept, in the rows' units
+        reduced = reduced + (partial / shard.world if ops.shard_averages else partial)
     if group.all_reduces:
         _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False, replicate_op)
         reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(reduced, replicate_op, replicate.pg_name))

@@ -7,6 +7,7 @@ this runs on torch's threaded process group with shardkit told that it averages,
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardkit
+import shardkit.compiled
 from shardkit.comm import collectives
+from shardkit.compiled.group import GraphComm
 from tests.fake.test_threaded_pg import run_ranks
 
 WORLD = 4
@@ -56,10 +59,21 @@ def averaging_backend(monkeypatch):
         return comm
 
     monkeypatch.setattr(collectives.Comm, "of", classmethod(of))
+    graph_of = GraphComm.of
+
+    def graph_comm_of(mesh, dim):
+        comm = graph_of(mesh, dim)
+        return dataclasses.replace(comm, averages=comm.world > 1)
+
+    monkeypatch.setattr(GraphComm, "of", staticmethod(graph_comm_of))
 
 
-@pytest.mark.parametrize("case", [*CASES, *(f"{c}+halving-hook" for c in HALVING_HOOK)])
+@pytest.mark.parametrize("case", [*CASES, *(f"{c}+halving-hook" for c in HALVING_HOOK), *(f"{c}+compiled-mode" for c in CASES)])
 def test_averaging_reductions_give_the_unsharded_gradients(case, averaging_backend):
+    """Compiled mode (run without torch.compile: the same ops) averages by the same rule."""
+    compiled = case.endswith("+compiled-mode")
+    case = case.removesuffix("+compiled-mode")
+    fully_shard = shardkit.compiled.fully_shard if compiled else shardkit.fully_shard
     shape, microbatches = CASES[case.removesuffix("+halving-hook")]
     halve = case.endswith("+halving-hook")
     torch.manual_seed(0)
@@ -78,8 +92,8 @@ def test_averaging_reductions_give_the_unsharded_gradients(case, averaging_backe
         model = copy.deepcopy(Net())
         model.load_state_dict(reference.state_dict())
         for block in model.blocks:
-            shardkit.fully_shard(block, mesh=mesh)
-        shardkit.fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         groups = [m for m in model.modules() if isinstance(m, shardkit.FSDPModule)]
         if factor:
             for m in groups:

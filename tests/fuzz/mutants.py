@@ -35,6 +35,8 @@ MUTANTS = {
                                 "the backend averages even when the user's divide factor is not the world"),
     "compiled-mode-sums-always": ("shardkit/compiled/gather.py", 'shard_op, replicate_op = "avg" if ops.shard_averages else "sum", "avg" if ops.replicate_averages else "sum"', 'shard_op, replicate_op = "sum", "sum"',
                                   "compiled mode's collectives sum where eager mode's average (and nothing divides after)"),
+    "compiled-kept-sums-averaged": ("shardkit/compiled/gather.py", "return None, None, reduced * shard.world if ops.shard_averages else reduced, None", "return None, None, reduced, None",
+                                    "compiled HSDP keeps averaged rows without the all-reduce and a later summing backward adds them as sums"),
     "force-sum-ignored": ("shardkit/core/reduction.py", "return not overflow_risk(dtype) and not force_sum", "return not overflow_risk(dtype)",
                           "bug 3: set_force_sum_reduction_for_comms(True) changes nothing"),
     "all-gather-not-waited": ("shardkit/comm/collectives.py", "    pending.handle.wait()\n    pending.bucket.copy_out", "    pending.bucket.copy_out",
