@@ -182,15 +182,15 @@ class Muon(Optimizer):
                     raise RuntimeError("Muon does not support sparse gradients")
                 where = f"parameter {k} of param group {g} (shape {list(p.shape)})"
                 todo.append((p, opt_group, self._momentum(p, opt_group, where), where))
-        matrices = [Matrix.of(update, where) for _, _, update, where in todo]
+        matrices = [update for _, _, update, _ in todo]
         updates = self._owners.map(matrices, lambda i, full: self._orthogonalize_all(full, todo[i][1]), self.result_dtype)
         for (p, opt_group, _, _), update in zip(todo, updates):
             self._apply(p, update, opt_group)
         return loss
 
-    def _momentum(self, p: torch.Tensor, opt_group: dict, where: str) -> torch.Tensor:
+    def _momentum(self, p: torch.Tensor, opt_group: dict, where: str) -> Matrix:
         """B <- lerp(B, g, 1 - mu), and the Nesterov blend, on this rank's shards; returns
-        the update to orthogonalize (a DTensor for a DTensor parameter)."""
+        the update to orthogonalize, this rank's piece placed as the gradient."""
         grad = p.grad
         if isinstance(p, DTensor) != isinstance(grad, DTensor) or (
             isinstance(p, DTensor) and (grad.placements != p.placements or grad.device_mesh != p.device_mesh)
@@ -208,9 +208,7 @@ class Muon(Optimizer):
             raise ValueError("Param gradient must be a 2D matrix")
         buf.lerp_(g, 1 - momentum)
         update = g.lerp(buf, momentum) if opt_group["nesterov"] else buf
-        if isinstance(grad, DTensor):
-            return DTensor.from_local(update, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride())
-        return update
+        return Matrix.placed_like(update, grad, where) if isinstance(grad, DTensor) else Matrix.of(update, where)
 
     def _orthogonalize_all(self, full: torch.Tensor, opt_group: dict) -> torch.Tensor:
         if full.dim() == 2:

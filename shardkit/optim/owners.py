@@ -141,13 +141,18 @@ class Matrix:
     def of(cls, tensor: torch.Tensor, where: str) -> "Matrix":
         if not isinstance(tensor, DTensor):
             return cls(tensor, tensor.shape, None, (), where)
-        mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-        if mesh.size() == 1 or all(not _splits(p) or (p.dim == 0 and tensor.dim() == 3) for p in placements):
+        return cls.placed_like(tensor._local_tensor, tensor, where)
+
+    @classmethod
+    def placed_like(cls, local: torch.Tensor, like: DTensor, where: str) -> "Matrix":
+        """``local``: this rank's piece of a tensor placed as the DTensor ``like`` (no DTensor made)."""
+        mesh, placements = like.device_mesh, tuple(like.placements)
+        if mesh.size() == 1 or all(not _splits(p) or (p.dim == 0 and like.dim() == 3) for p in placements):
             for dim, p in enumerate(placements):
                 if p.is_partial():
                     raise ValueError(f"{where}: its gradient is Partial on mesh dim {dim}; reduce it before the optimizer step")
-            return cls(tensor._local_tensor, tensor.shape, None, (), where)  # whole on every rank: experts split on E
-        return cls(tensor._local_tensor, tensor.shape, mesh, placements, where)
+            return cls(local, like.shape, None, (), where)  # whole on every rank: experts split on E
+        return cls(local, like.shape, mesh, placements, where)
 
 
 @dataclass
