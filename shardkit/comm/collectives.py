@@ -71,12 +71,17 @@ class Comm:
             if pg not in _separate_groups:  # (dropped with it: weakly keyed)
                 _separate_groups[pg] = dist.new_group(dist.get_process_group_ranks(pg), use_local_synchronization=True)
             pg = _separate_groups[pg]
-        name = name or (mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}")
+        name = name or dim_name(mesh, dim)
         if resizable(pg):  # not in c10d's registry; SUM and a division by its size at each reduction
             return cls(pg, pg.size(), pg.rank(), streams, False, name, resizable=True)
         gloo, averages, at_once = backend_of(pg)
         world = dist.get_world_size(pg)
         return cls(pg, world, dist.get_rank(pg), streams, gloo, name, averages and world > 1, at_once)
+
+
+def dim_name(mesh: DeviceMesh, dim: int) -> str:
+    """A mesh dim's name in the trace (both modes): its name, or ``dim<i>`` on an unnamed mesh."""
+    return mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
 
 
 def backend_of(pg: dist.ProcessGroup) -> tuple[bool, bool, bool]:

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardkit.comm.collectives import backend_of
+from shardkit.comm.collectives import backend_of, dim_name
 from shardkit.compiled.forward_state import Forwarding
 from shardkit.dtensor import extension
 from shardkit.dtensor.sharded_param import ShardedParam, backs
@@ -78,7 +78,10 @@ class GraphComm:
     """One mesh dim a group's collectives run over: its process group's name (what the
     functional collectives take), its ranks, its name (for the trace), and whether it is gloo
     (whose reduce-scatter is slow: gather.py reduces with an all-to-all and a sum, as eager mode)
-    or averages (NCCL: ``ReduceOp.AVG``, core/reduction.py's ``reduce_ops``)."""
+    or averages (NCCL: ``ReduceOp.AVG``, core/reduction.py's ``reduce_ops``). Eager mode's
+    ``Comm`` holds the process group and the streams its runtime issues on; a graph takes the
+    group's name alone, in a frozen value that dynamo guards on as a constant. Both read the
+    backend's facts and the dim's name from the same functions (``backend_of``, ``dim_name``)."""
 
     pg_name: str
     world: int
@@ -88,7 +91,7 @@ class GraphComm:
 
     @staticmethod
     def of(mesh: DeviceMesh, dim: int) -> "GraphComm":
-        name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else f"dim{dim}"
+        name = dim_name(mesh, dim)
         pg = mesh.get_group(dim)
         gloo, averages, _ = backend_of(pg)
         return GraphComm(pg.group_name, mesh.size(dim), name, gloo, averages and mesh.size(dim) > 1)
