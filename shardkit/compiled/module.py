@@ -92,7 +92,6 @@ class CompiledFSDPModule(FSDPModule):
                 group.partial_leaf(b)  # made here, outside any compiled region
 
     # what one graph already does -------------------------------------------------------------
-
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted; no effect: each compiled backward finishes its reductions in the graph."""
 

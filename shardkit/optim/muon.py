@@ -171,7 +171,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = []  # (param, opt_group, update): the momentum-blended gradients, sharded
+        todo = []  # (param, opt_group, matrix, where): the momentum-blended gradients, this rank's pieces
         for g, opt_group in enumerate(self.param_groups):
             for k, p in enumerate(opt_group["params"]):
                 if p.grad is None:
@@ -182,7 +182,7 @@ class Muon(Optimizer):
                     raise RuntimeError("Muon does not support sparse gradients")
                 where = f"parameter {k} of param group {g} (shape {list(p.shape)})"
                 todo.append((p, opt_group, self._momentum(p, opt_group, where), where))
-        matrices = [update for _, _, update, _ in todo]
+        matrices = [matrix for _, _, matrix, _ in todo]
         updates = self._owners.map(matrices, lambda i, full: self._orthogonalize_all(full, todo[i][1]), self.result_dtype)
         for (p, opt_group, _, _), update in zip(todo, updates):
             self._apply(p, update, opt_group)
