@@ -303,10 +303,7 @@ class Collectives(TorchDispatchMode):
         elif name == "_c10d_functional::all_gather_into_tensor":  # compiled mode's (input, group_size, group_name)
             self.seen.append(("all_gather", args[0].dtype, args[0].numel() * args[1]))
         elif name == "_c10d_functional::reduce_scatter_tensor":  # (input, op, group_size, group_name)
-            # compiled mode sums, then divides by the ranks: what FSDP2 reduces with AVG (fp32 and
-            # bf16 on a backend that averages, as the fake one) or with SUM and a division (others)
-            averaged = args[1] == "sum" and args[0].dtype in (torch.float32, torch.bfloat16)
-            self.seen.append(("reduce_scatter", "avg" if averaged else args[1]))
+            self.seen.append(("reduce_scatter", args[1]))  # (compiled mode's ops are eager mode's: core/reduction.reduce_ops)
         elif name == "_c10d_functional::all_to_all_single":  # compiled mode's reduce-scatter on gloo, summed after
             averaged = args[0].dtype in (torch.float32, torch.bfloat16)  # (as reduce_scatter_tensor's "sum" above)
             self.seen.append(("reduce_scatter", "avg" if averaged else "sum"))
