@@ -305,8 +305,7 @@ class Collectives(TorchDispatchMode):
         elif name == "_c10d_functional::reduce_scatter_tensor":  # (input, op, group_size, group_name)
             self.seen.append(("reduce_scatter", args[1]))  # (compiled mode's ops are eager mode's: core/reduction.reduce_ops)
         elif name == "_c10d_functional::all_to_all_single":  # compiled mode's reduce-scatter on gloo, summed after
-            averaged = args[0].dtype in (torch.float32, torch.bfloat16)  # (as reduce_scatter_tensor's "sum" above)
-            self.seen.append(("reduce_scatter", "avg" if averaged else "sum"))
+            self.seen.append(("reduce_scatter", "sum"))  # (as eager mode's route above)
         elif name == "_c10d_functional::all_reduce":  # compiled mode's HSDP (input, op, group_name)
             self.seen.append(("all_reduce", args[1]))
         return func(*args, **kwargs)
@@ -341,17 +340,6 @@ def _op(script_op) -> str:
     names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PREMUL_SUM: "sum"}
     value = int(script_op.op())
     return next((name for op, name in names.items() if int(op) == value), str(value))
-
-
-def _reductions_by_kind(counters: tuple) -> tuple:
-    """``comparable``'s counters with the reductions (1: reduce-scatters, 2: all-reduces) counted by kind alone."""
-    def by_kind(c: Counter) -> Counter:
-        out: Counter = Counter()
-        for seen, n in c.items():
-            out[seen[0]] += n
-        return out
-
-    return tuple(by_kind(c) if i in (1, 2) else c for i, c in enumerate(counters))
 
 
 def comparable(seen: list[tuple]) -> tuple:
@@ -755,8 +743,6 @@ class Run:
         labels = ("all-gathers (dtype, numel)", "reductions (op)", "all-reduces (op)", "the optimizer's all-to-alls (dtype, sent, received)")
         if self.fsdp2_zero_grads:
             mine, theirs = mine[:3], theirs[:3]
-        if self.spec.compiled_mode:  # it sums and divides after; FSDP2 picks AVG, SUM or PREMUL_SUM by factor and backend
-            mine, theirs = _reductions_by_kind(mine), _reductions_by_kind(theirs)
         # Compiled mode run eagerly keeps a group's gathered parameters from forward to backward
         # (autograd saves them), where FSDP2 gathers a resharded group again: not compared.
         # With reshard_after_forward=R it gathers each group in two steps in forward: not compared either.
