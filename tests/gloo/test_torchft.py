@@ -38,7 +38,8 @@ def free_port() -> int:
 
 class Run:
     """One job: the lighthouse, and REPLICAS groups of GROUP_WORLD worker processes; a group
-    whose ranks exit with DIED is started again (with no death), as a scheduler restarts it."""
+    whose ranks exit with DIED (or fail because a peer did) is started again (with no death), as
+    a scheduler restarts it."""
 
     def __init__(self, tmp: Path, impl: str, die: str | None = None, die_at: int = 2, mesh: str = "group") -> None:
         from torchft.coordination import LighthouseServer
@@ -51,19 +52,30 @@ class Run:
                                            join_timeout_ms=10000, heartbeat_timeout_ms=1000)
         (tmp / "ready").mkdir(parents=True, exist_ok=True)
         self.procs: dict[int, list[subprocess.Popen]] = {}
+        self.log_files: dict[int, list[Path]] = {}
         self.restarts = 0
 
     def start(self, replica: int, die: str | None) -> None:
         port = free_port()
-        self.procs[replica] = []
+        self.procs[replica], self.log_files[replica] = [], []
         for rank in range(GROUP_WORLD):
             settings = dict(replica=replica, rank=rank, port=port, lighthouse=self.lighthouse.address(), impl=self.impl,
                             die=die if replica == 1 else None, die_at=self.die_at, steps=STEPS, replicas=REPLICAS,
                             init_sync=self.die is not None, sleep_s=0.02, mesh=self.mesh, timeout_s=RUN_TIMEOUT_S - 30, out=str(self.out(replica, rank)),
                             log=str(self.tmp / f"steps-replica{replica}-rank{rank}-{self.restarts}.jsonl"), ready=str(self.tmp / "ready"))
-            log = open(self.tmp / f"replica{replica}-rank{rank}-{self.restarts}.log", "w")
+            self.log_files[replica].append(self.tmp / f"replica{replica}-rank{rank}-{self.restarts}.log")
+            log = open(self.log_files[replica][-1], "w")
             self.procs[replica].append(subprocess.Popen([sys.executable, str(HERE / "ft_worker.py"), json.dumps(settings)],
                                                         stdout=log, stderr=subprocess.STDOUT, cwd=HERE))
+
+    def died_of_its_peer(self, replica: int, codes: list[int | None]) -> bool:
+        """Whether the ranks of ``replica`` that failed did so because a rank of their group died
+        on purpose under them (a collective it had joined, still in flight, lost its peer), as a
+        scheduler would see it: the group is restarted whole."""
+        if DIED not in codes:
+            return False
+        logs = [f.read_text() for f, code in zip(self.log_files[replica], codes) if code not in (None, 0, DIED)]
+        return all("Connection closed by peer" in log or "Connection reset by peer" in log for log in logs)
 
     def out(self, replica: int, rank: int) -> Path:
         return self.tmp / f"replica{replica}-rank{rank}.pt"
@@ -78,9 +90,9 @@ class Run:
                 if all(c == 0 for cs in codes.values() for c in cs):
                     break
                 for g, cs in codes.items():
-                    if any(c not in (None, 0, DIED) for c in cs):
+                    if any(c not in (None, 0, DIED) for c in cs) and not self.died_of_its_peer(g, cs):
                         raise AssertionError(f"replica {g} failed: exit codes {cs}\n{self.logs()}")
-                    if all(c == DIED for c in cs):  # the whole group died: restart it
+                    if None not in cs and DIED in cs:  # the whole group is down: restart it
                         self.restarts += 1
                         self.start(g, None)
                 time.sleep(0.05)
