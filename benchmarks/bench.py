@@ -317,11 +317,54 @@ def count_collectives(impl: Impl, args: argparse.Namespace) -> dict:
         sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
         buckets = [int(size) for size in str(sizes).split(",") if size.strip()]
         counts["all_reduce"] = [len(buckets), sum(buckets)]
+        counts["buckets"] = buckets
     if "sent" not in counts:  # ring algorithms: (w-1)/w of the buffer, twice for an all-reduce
         share = (WORLD - 1) / WORLD
         counts["sent"] = share * (counts["all_gather"][1] + counts["reduce_scatter"][1] + 2 * counts["all_reduce"][1])
     counts["functions"] = sorted(counts["functions"])
     return counts
+
+
+def replay_ms(calls: list[tuple[str, int, torch.dtype, str]], repeats: int) -> float:
+    """Median milliseconds of issuing ``calls`` ((kind, numel, dtype, detail) of the whole buffer)
+    one after another with plain torch.distributed calls and nothing else: the communication
+    alone. A reduce-scatter "via all_to_all" is an all-to-all and the sum of its chunks, as
+    shardkit does it on gloo."""
+    buffers = [(kind, torch.ones(numel, dtype=dtype), detail) for kind, numel, dtype, detail in calls]
+    shards = [torch.empty(b.numel() // WORLD, dtype=b.dtype) for _, b, _ in buffers]
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for (kind, buffer, detail), shard in zip(buffers, shards):
+            if kind == "all_gather":
+                dist.all_gather_into_tensor(buffer, shard)
+            elif kind == "all_reduce":
+                dist.all_reduce(buffer)
+            elif detail == "via all_to_all":
+                received = torch.empty_like(buffer)
+                dist.all_to_all_single(received, buffer)
+                torch.sum(received.view(WORLD, -1), dim=0, out=shard)
+            else:
+                dist.reduce_scatter_tensor(shard, buffer)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def communication(impls: dict[str, Impl], args: argparse.Namespace, counts: dict) -> torch.Tensor:
+    """This rank's [shardkit's collectives alone, DDP's all-reduces alone, shardkit's exposed
+    wait] in ms: shardkit's step's collectives (from its trace, the same buffers) and DDP's
+    gradient buckets replayed with no compute, and how long shardkit's hooks waited on them in a
+    step (the trace's exposed time, the median of ``args.steps`` steps)."""
+    exposed = []
+    for _ in range(args.steps):
+        with shardkit.trace() as t:
+            train_step(impls["shardkit"], args)
+        exposed.append(sum(e.exposed_ns for e in t.collectives()) / 1e6)
+    fsdp = [(e.kind, e.numel, e.dtype, e.detail) for e in t.collectives() if e.kind in KINDS]
+    ddp = [("all_reduce", n // 4, torch.float32, "") for n in counts["ddp"]["buckets"]]  # DDP's buckets are fp32 here
+    repeats = max(5, args.rounds * 2)
+    return torch.tensor([replay_ms(fsdp, repeats), replay_ms(ddp, repeats), statistics.median(exposed)], dtype=torch.float64)
 
 
 def state_bytes(impl: Impl) -> int:
@@ -411,10 +454,12 @@ def distributed_rank(args: argparse.Namespace, mesh) -> dict | None:
     rss = torch.tensor([peak_rss_mib(impls[name], args) for name in names], dtype=torch.float64)  # (impls, 2)
     held = torch.tensor([state_bytes(impls[name]) for name in names], dtype=torch.float64)
     losses = torch.tensor([impls[name].last_loss for name in names], dtype=torch.float64)
-    (all_times,) = over_ranks(gathered=(times,), maxed=(rss, held), summed=(losses,))  # losses divided by WORLD below
+    comm = communication(impls, args, counts)  # (shardkit trains on: after its loss is read)
+    (all_times,) = over_ranks(gathered=(times,), maxed=(rss, held, comm), summed=(losses,))  # losses divided by WORLD below
     if dist.get_rank() != 0:
         return None
     result = summarize(args, impls["local"], all_times, counts)
+    result["communication"] = next_to_ddp(result, *comm.tolist())
     for i, name in enumerate(names):
         result["impls"][name].update(start_rss_mib=rss[i, 0].item(), peak_rss_mib=rss[i, 1].item(),
                                      held_mib_per_rank=held[i].item() / MiB, last_loss=losses[i].item() / WORLD)
@@ -454,6 +499,19 @@ def summarize(args: argparse.Namespace, local: Impl, all_times: list[torch.Tenso
     return result
 
 
+def next_to_ddp(result: dict, fsdp_ms: float, ddp_ms: float, exposed_ms: float) -> dict:
+    """What shardkit's step pays over DDP's, and the floor here: DDP's step plus the
+    communication FSDP adds over DDP's (its collectives alone less DDP's all-reduces alone, the
+    slower rank's), none of it hidden. On 2 gloo ranks on 2 cores the ranks' compute holds the
+    cores gloo's threads need, so communication hides little; the floor assumes FSDP hides as
+    much of its communication as DDP does of its own, and nothing more."""
+    step = {name: r["step_ms"] for name, r in result["impls"].items()}
+    floor_ms = step["ddp"] + fsdp_ms - ddp_ms
+    return {"fsdp_comm_alone_ms": fsdp_ms, "ddp_comm_alone_ms": ddp_ms, "shardkit_exposed_ms": exposed_ms,
+            "floor_ms": floor_ms, "floor/ddp": floor_ms / step["ddp"], "shardkit/floor": step["shardkit"] / floor_ms,
+            "shardkit_over_local_ms": step["shardkit"] - step["local"], "ddp_over_local_ms": step["ddp"] - step["local"]}
+
+
 def make_console() -> Console:
     # Piped output (make bench | tee) would otherwise wrap the tables at 80 columns.
     return Console() if sys.stdout.isatty() else Console(width=160)
@@ -488,6 +546,12 @@ def print_distributed(console: Console, result: dict) -> None:
                   "sent: bytes each rank puts on the wire (ring algorithms). On gloo shardkit reduce-scatters with an\n"
                   "all-to-all and a local sum (faster there, the same bytes; see docs/design.md).\n"
                   f"FSDP2 called: {', '.join(result['impls']['fsdp2']['torch_functions_called']) or 'nothing counted'}")
+    c = result["communication"]
+    console.print(f"next to DDP (issue 56 part 3; ms, the slower rank): collectives alone, replayed with nothing else: "
+                  f"shardkit's {c['fsdp_comm_alone_ms']:.2f}, DDP's all-reduces {c['ddp_comm_alone_ms']:.2f}; shardkit's hooks waited "
+                  f"{c['shardkit_exposed_ms']:.2f} of a step; over local: shardkit {c['shardkit_over_local_ms']:.2f}, "
+                  f"DDP {c['ddp_over_local_ms']:.2f}.\nfloor (DDP's step + the communication FSDP adds, unhidden) "
+                  f"{c['floor_ms']:.2f} ms = {c['floor/ddp']:.2f}x DDP; shardkit/floor {c['shardkit/floor']:.2f}")
     losses = {name: r["last_loss"] for name, r in result["impls"].items()}
     console.print("last-step loss (mean over ranks): " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
     gap = abs(losses["shardkit"] - losses["fsdp2"]) / abs(losses["fsdp2"])

@@ -10,6 +10,9 @@ checkout is never touched). For each, in order, until one kills it (fails):
 3. ``test-fast``: the rest of the in-process tier (unit, fake, planner, regressions);
 4. with ``--full``: every other test, then the simulated-streams tier (make test's rerun).
 
+``--tests PATH ...`` runs only those tests on each mutant instead (to check which test kills a
+mutant the tiers above leave to the full one).
+
 It prints a markdown table: the mutant, the tier that killed it, and that tier's first
 failure line. A mutant no tier kills is a hole in the tests.
 """
@@ -211,17 +214,19 @@ def first_failure(output: str) -> str:
     return output.strip().splitlines()[-1][:160] if output.strip() else "(no output)"
 
 
-def run_mutant(name: str, full: bool) -> tuple[str, str, float]:
+def run_mutant(name: str, full: bool, tests: list[str] | None = None) -> tuple[str, str, float]:
     file, old, new, _ = MUTANTS[name]
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         copy_tree(tree)
         mutate(tree, file, old, new)
         start = time.monotonic()
-        tiers = TIERS + (FULL if full else [])
+        tiers = [("chosen tests", PY + tests)] if tests else TIERS + (FULL if full else [])
         for tier in tiers:
             label, cmd, extra = (*tier, {})[:3]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+            # PYTHONPATH: the processes tests start by path (torchrun, a worker script) would
+            # otherwise import the checkout's shardkit through its editable install.
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree), **extra}
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:  # the whole output kept: a crash's cause is rarely in its first line
                 log = Path(tempfile.gettempdir()) / f"mutant-{name}.log"
@@ -234,12 +239,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fuzz.mutants")
     parser.add_argument("--only", nargs="*", default=list(MUTANTS))
     parser.add_argument("--full", action="store_true", help="run make test's other tiers on mutants the fast ones miss")
+    parser.add_argument("--tests", nargs="*", default=None, metavar="PATH",
+                        help="run only these pytest paths (or node ids) on each mutant, in place of the tiers")
     args = parser.parse_args()
     print("| mutant | what it breaks | killed by | first failure | s |")
     print("|---|---|---|---|---|")
     survivors = 0
     for name in args.only:
-        tier, why, seconds = run_mutant(name, args.full)
+        tier, why, seconds = run_mutant(name, args.full, args.tests)
         survivors += tier == "survived"
         print(f"| {name} | {MUTANTS[name][3]} | {tier} | {why.replace('|', '/')} | {seconds:.0f} |", flush=True)
     return 1 if survivors else 0
