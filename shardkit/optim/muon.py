@@ -10,7 +10,9 @@ allows:
   ``state_dict()``, DCP and ``shardkit.checkpoint`` save it as any optimizer state);
 - Newton-Schulz needs the whole matrix: ``OwnerCompute`` (owners.py) gives each matrix to
   one owner, which runs torch's own Newton-Schulz on the full, contiguous matrix, and sends
-  the rows back, all matrices of a bucket in one packed all-to-all each way.
+  the rows back, all matrices of a bucket in one packed all-to-all each way (on gloo, a
+  bucket of small matrices goes to every rank in one all-to-all instead, and each rank runs
+  Newton-Schulz on all of them: ``every_rank_below``).
 
 Each owner runs the same ops on the same full tensor as one process does, so fp32 parameters
 end bit-identical to single-process ``torch.optim.Muon``. Plain tensors (not sharded) take
@@ -147,7 +149,7 @@ class Muon(Optimizer):
             for p in opt_group["params"]:
                 if p.ndim not in (2, 3):  # 3: a batch of matrices (MoE experts), beyond torch's Muon
                     raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}")
-        self._owners = OwnerCompute(self.cost, int(bucket_mb * 2**20), type(self).__name__)
+        self._owners = OwnerCompute(self.cost, int(bucket_mb * 2**20), type(self).__name__, self.every_rank_below)
 
     # What a subclass changes -------------------------------------------------------------
     def orthogonalize(self, matrix: torch.Tensor, opt_group: dict) -> torch.Tensor:
@@ -155,6 +157,11 @@ class Muon(Optimizer):
         return newton_schulz(matrix, opt_group["ns_coefficients"], opt_group["ns_steps"], opt_group["eps"])
 
     result_dtype = torch.bfloat16  # what ``orthogonalize`` returns: the updates travel back in it
+    # A bucket of matrices whose summed ``cost`` is below this is orthogonalized on every rank,
+    # with one all-to-all and no owners (shardkit/optim/owners.py); None: owners.py's choice for
+    # the backend (small buckets on gloo, never on NCCL, whose all-to-all is cheaper than the
+    # kernels it saves); 0: always owners.
+    every_rank_below: float | None = None
 
     def cost(self, shape: torch.Size) -> float:
         """Relative work of ``orthogonalize`` on a tensor of ``shape``: per Newton-Schulz

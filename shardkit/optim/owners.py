@@ -22,6 +22,12 @@ bucket's transfer is in flight while this one computes (on CUDA the all-to-alls 
 own side stream, ``comm/streams.py``; on the CPU on the process group's thread). Matrices
 that each rank holds whole (a plain tensor, a mesh of one rank, experts ``[E, M, N]`` split
 on E only) are computed where they are, with no communication.
+
+A bucket whose whole cost is below ``every_rank_below`` has no owners in ``map``: every rank
+receives every piece in the one all-to-all of step 2 and computes every matrix itself, so
+step 4 is not needed. Where a collective costs more than computing a few small matrices (gloo,
+whose all-to-all takes a fraction of a millisecond or more), that halves the step's
+collectives; the results are the same bits, the function being the same on the same input.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ from shardkit.comm.collectives import backend_of
 from shardkit.core.meshes import mesh_device
 
 Index = tuple  # per tensor dim: a slice, or a LongTensor of the positions held (strided shards)
+# A bucket's cost (``OwnerCompute.cost``, summed) below which gloo computes it on every rank: for
+# Muon's cost (multiply-adds per Newton-Schulz iteration) about a millisecond of one CPU core,
+# what one gloo all-to-all takes on a few ranks.
+EVERY_RANK_BELOW_ON_GLOO = float(2**17)
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,8 @@ class _Bucket:
     owner: list[int]  # per matrix: the owner's rank in ``pg``
     pieces: list[list[Piece]]  # per matrix, per rank
     senders: list[list[int]]  # per matrix: the ranks that send the owner its pieces (one per distinct piece)
+    receivers: list[list[int]]  # per matrix: the ranks this rank sends its piece to
+    every_rank: bool = False  # no owners: every rank computes every matrix (``owner`` is this rank)
     numel: int = 0  # full elements of its matrices (the same on every rank: for check mode)
     name: str = ""  # "bucket 0", in the trace
     send_in: list[int] = field(default_factory=list)  # all-to-all split sizes, per rank
@@ -179,11 +191,13 @@ class OwnerCompute:
 
     ``cost(shape)`` estimates the function's work on one full tensor (owners are balanced by
     it); ``bucket_bytes`` caps a bucket's full-matrix bytes, so that buckets pipeline; ``name``
-    names the all-to-alls in ``shardkit.trace()``.
+    names the all-to-alls in ``shardkit.trace()``; ``every_rank_below``: the bucket cost below
+    which ``map`` computes a bucket on every rank (see the module doc), None for
+    ``EVERY_RANK_BELOW_ON_GLOO`` on gloo and 0 (never) on other backends.
     """
 
-    def __init__(self, cost: Callable[[torch.Size], float], bucket_bytes: int, name: str) -> None:
-        self.cost, self.bucket_bytes, self.name = cost, bucket_bytes, name
+    def __init__(self, cost: Callable[[torch.Size], float], bucket_bytes: int, name: str, every_rank_below: float | None = 0.0) -> None:
+        self.cost, self.bucket_bytes, self.name, self.every_rank_below = cost, bucket_bytes, name, every_rank_below
         self._plans: dict[tuple, list[_Bucket]] = {}
         self.load: dict[DeviceMesh, list[float]] = {}  # the last plan's cost per rank of each mesh (tests, bench)
 
@@ -192,13 +206,18 @@ class OwnerCompute:
         ``local``). ``fn`` runs once per matrix in the whole mesh, on the full tensor,
         contiguous, and returns ``out_dtype`` (the dtype the results travel back in)."""
         out: list[torch.Tensor | None] = [None] * len(matrices)
-        buckets = self._plan(matrices)
+        buckets = self._plan(matrices, every_rank=True)
         returning: list[tuple[_Bucket, _Transfer]] = []
         incoming = self._send_in(buckets[0], matrices) if buckets else None
         for b, bucket in enumerate(buckets):
             following = self._send_in(buckets[b + 1], matrices) if b + 1 < len(buckets) else None  # in flight meanwhile
             results = self._compute(bucket, matrices, incoming, fn)
-            returning.append((bucket, self._send_out(bucket, results, out_dtype)))
+            self._check_dtype(results, out_dtype)
+            if bucket.every_rank:
+                for j, result in results:
+                    out[bucket.index[j]] = take(result, bucket.pieces[j][bucket.rank]).contiguous()
+            else:
+                returning.append((bucket, self._send_out(bucket, results, out_dtype)))
             incoming = following
         for i, m in enumerate(matrices):  # held whole: computed here while the transfers run
             if m.mesh is None:
@@ -224,14 +243,16 @@ class OwnerCompute:
         return [i for bucket in self._plan(matrices) for j, i in enumerate(bucket.index) if bucket.owner[j] == bucket.rank]
 
     # Plan ---------------------------------------------------------------------------------
-    def _plan(self, matrices: Sequence[Matrix]) -> list[_Bucket]:
-        key = tuple((m.shape, m.local.dtype, m.mesh, m.placements) for m in matrices)
+    def _plan(self, matrices: Sequence[Matrix], every_rank: bool = False) -> list[_Bucket]:
+        """``every_rank``: small buckets may go to every rank (``map``; ``gather``'s function
+        must run once per matrix)."""
+        key = (every_rank, *((m.shape, m.local.dtype, m.mesh, m.placements) for m in matrices))
         if key not in self._plans:
             self._plans.clear()  # one live plan: a new set of parameters replaces the old
-            self._plans[key] = self._build(matrices)
+            self._plans[key] = self._build(matrices, every_rank)
         return self._plans[key]
 
-    def _build(self, matrices: Sequence[Matrix]) -> list[_Bucket]:
+    def _build(self, matrices: Sequence[Matrix], every_rank: bool) -> list[_Bucket]:
         groups: dict[tuple, list[int]] = {}
         for i, m in enumerate(matrices):
             if m.mesh is not None:
@@ -241,11 +262,13 @@ class OwnerCompute:
             pg = _process_group(mesh)
             world = mesh.size()
             mesh_load = load.setdefault(mesh, [0.0] * world)
+            below = self._every_rank_below(pg) if every_rank else 0.0
             chunk, chunk_bytes = [], 0
             for i in members + [None]:
                 nbytes = math.prod(matrices[i].shape) * dtype.itemsize if i is not None else 0
                 if chunk and (i is None or chunk_bytes + nbytes > self.bucket_bytes):
-                    buckets.append(self._bucket(len(buckets), chunk, matrices, mesh, pg, mesh_load))
+                    small = sum(self.cost(matrices[k].shape) for k in chunk) < below
+                    buckets.append(self._bucket(len(buckets), chunk, matrices, mesh, pg, mesh_load, small))
                     chunk, chunk_bytes = [], 0
                 if i is not None:
                     chunk.append(i)
@@ -253,16 +276,21 @@ class OwnerCompute:
         self.load = load
         return buckets
 
-    def _bucket(self, position: int, index: list[int], matrices: Sequence[Matrix], mesh: DeviceMesh, pg, load: list[float]) -> _Bucket:
+    def _every_rank_below(self, pg: dist.ProcessGroup) -> float:
+        if self.every_rank_below is not None:
+            return self.every_rank_below
+        return EVERY_RANK_BELOW_ON_GLOO if backend_of(pg)[0] else 0.0
+
+    def _bucket(self, position: int, index: list[int], matrices: Sequence[Matrix], mesh: DeviceMesh, pg, load: list[float], every_rank: bool) -> _Bucket:
         world = mesh.size()
         rank = dist.get_group_rank(pg, dist.get_rank())
         coords = coordinates(mesh, pg)
-        owner = [0] * len(index)
+        owner = [rank] * len(index)
         # Longest first, each to the least loaded rank so far (over every bucket of this mesh).
-        for j in sorted(range(len(index)), key=lambda j: (-self.cost(matrices[index[j]].shape), j)):
+        for j in [] if every_rank else sorted(range(len(index)), key=lambda j: (-self.cost(matrices[index[j]].shape), j)):
             owner[j] = min(range(world), key=lambda r: (load[r], r))
             load[owner[j]] += self.cost(matrices[index[j]].shape)
-        all_pieces, senders = [], []
+        all_pieces, senders, receivers = [], [], []
         for j, i in enumerate(index):
             m = matrices[i]
             ps = pieces(m.shape, mesh, m.placements, coords, m.where)
@@ -274,9 +302,12 @@ class OwnerCompute:
             replicated = [d for d, p in enumerate(m.placements) if not _splits(p)]
             o = coords[owner[j]]
             senders.append([r for r in range(world) if all(coords[r][d] == o[d] for d in replicated)])
+            # (every rank computing: the ranks sharing this one's replica coordinates, both ways)
+            receivers.append(senders[-1] if every_rank else [owner[j]] if rank in senders[-1] else [])
             all_pieces.append(ps)
-        bucket = _Bucket(index, mesh, pg, rank, owner, all_pieces, senders, sum(math.prod(matrices[i].shape) for i in index), f"bucket {position}")
-        bucket.send_in = [sum(ps[rank].numel for j, ps in enumerate(all_pieces) if owner[j] == r and rank in senders[j]) for r in range(world)]
+        bucket = _Bucket(index, mesh, pg, rank, owner, all_pieces, senders, receivers, every_rank,
+                         sum(math.prod(matrices[i].shape) for i in index), f"bucket {position}")
+        bucket.send_in = [sum(ps[rank].numel for j, ps in enumerate(all_pieces) if r in receivers[j]) for r in range(world)]
         bucket.recv_in = [sum(ps[r].numel for j, ps in enumerate(all_pieces) if owner[j] == rank and r in senders[j]) for r in range(world)]
         bucket.send_out = [sum(ps[r].numel for j, ps in enumerate(all_pieces) if owner[j] == rank) for r in range(world)]
         bucket.recv_out = [sum(ps[rank].numel for j, ps in enumerate(all_pieces) if owner[j] == r) for r in range(world)]
@@ -286,8 +317,8 @@ class OwnerCompute:
     def _send_in(self, bucket: _Bucket, matrices: Sequence[Matrix]) -> Handle:
         parts = [[] for _ in bucket.send_in]
         for j, i in enumerate(bucket.index):
-            if bucket.rank in bucket.senders[j]:
-                parts[bucket.owner[j]].append(matrices[i].local.reshape(-1))
+            for r in bucket.receivers[j]:
+                parts[r].append(matrices[i].local.reshape(-1))
         send = _cat([t for part in parts for t in part], matrices[bucket.index[0]].local)
         return self._all_to_all(bucket, send, bucket.recv_in, bucket.send_in, "in")
 
@@ -311,10 +342,12 @@ class OwnerCompute:
         parts = []
         for r in range(len(bucket.send_out)):
             parts.extend(take(result, bucket.pieces[j][r]).reshape(-1) for j, result in results)
-        if any(result.dtype != dtype for _, result in results):
-            raise TypeError(f"{self.name}: the function must return {dtype}, it returned {sorted({str(r.dtype) for _, r in results})}")
         send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=mesh_device(bucket.mesh))
         return self._all_to_all(bucket, send, bucket.recv_out, bucket.send_out, "out")
+
+    def _check_dtype(self, results: list[tuple[int, torch.Tensor]], dtype: torch.dtype) -> None:
+        if any(result.dtype != dtype for _, result in results):
+            raise TypeError(f"{self.name}: the function must return {dtype}, it returned {sorted({str(r.dtype) for _, r in results})}")
 
     def _unpack_out(self, bucket: _Bucket, received: torch.Tensor, out: list) -> None:
         offsets = _offsets(bucket.recv_out)

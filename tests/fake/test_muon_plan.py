@@ -72,8 +72,9 @@ MESHES = {  # name: (mesh shape, mesh dim names, model on it)
 
 
 @functools.cache  # the pinned traces reuse the parametrized test's steps
-def one_step(name: str, rank: int = 5, n_layer: int = 2, **muon_kwargs):
-    """One Muon step at ``rank`` of the named mesh, zero gradients set by hand: (trace, c10d ops, mesh size)."""
+def one_step(name: str, rank: int = 5, n_layer: int = 2, every_rank: bool = False, **muon_kwargs):
+    """One Muon step at ``rank`` of the named mesh, zero gradients set by hand: (trace, c10d ops,
+    mesh size); ``every_rank``: every bucket on every rank, as gloo does small ones."""
     shape, names, build = MESHES[name]
     world = torch.Size(shape).numel()
     with fake_world(world, rank):
@@ -82,6 +83,8 @@ def one_step(name: str, rank: int = 5, n_layer: int = 2, **muon_kwargs):
         for p in matrices:
             p.grad = torch.zeros_like(p)  # a DTensor placed like p
         opt = Muon(matrices, lr=0.02, **muon_kwargs)
+        if every_rank:
+            opt._owners.every_rank_below = float("inf")
         with shardkit.trace() as t, C10dOps() as ops:
             opt.step()
     return t, ops.seen, world
@@ -120,6 +123,26 @@ all_to_all Muon bucket 0 out bfloat16 numel=6144 world=16 mesh=replicate*shard
 dp 2 x tp 4:
 all_to_all Muon bucket 0 in float32 numel=2560 world=8 mesh=dp*tp
 all_to_all Muon bucket 0 out bfloat16 numel=2048 world=8 mesh=dp*tp""")
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_on_every_rank_one_step_is_one_all_to_all_of_each_ranks_pieces_to_its_replica(name):
+    t, ops, world = one_step(name, every_rank=True)
+    assert ops == Counter({("alltoall_base_", world): 1})
+    assert [(e.kind, e.group, e.world) for e in t.collectives()] == [("all_to_all", "Muon bucket 0 in", world)]
+    # what rank 5 sends: its piece of every matrix to each rank of its replica (every rank but
+    # under HSDP, where the other replica holds the same rows)
+    replica = world // 2 if name.startswith("hsdp") else world
+    local = sum(p.numel() for p in _rank_5_pieces(name))
+    assert t.collectives()[0].numel == replica * local, (t.collectives()[0].numel, replica, local)
+
+
+@functools.cache
+def _rank_5_pieces(name: str) -> list[torch.Tensor]:
+    shape, names, build = MESHES[name]
+    with fake_world(torch.Size(shape).numel(), 5):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return [p.to_local().detach().clone() for p in hidden_matrices(build(mesh, 2))]
 
 
 def test_small_bucket_mb_gives_one_all_to_all_pair_per_bucket_pipelined():
@@ -210,3 +233,19 @@ def test_each_ranks_piece_is_dtensors_local_shard(name):
 
 def first_positions(piece) -> tuple[int, ...]:
     return tuple(ix.start if isinstance(ix, slice) else int(ix[0]) for ix in piece.index)
+
+
+def test_gather_runs_its_function_once_per_matrix_whatever_every_rank_below():
+    """``map`` may put a small bucket on every rank; ``gather`` (save_pretrained writes each full
+    tensor where it runs) keeps one owner per matrix."""
+    from shardkit.optim.owners import Matrix, OwnerCompute
+
+    with fake_world(8, 5):
+        mesh = init_device_mesh("cpu", (8,))
+        matrices = [Matrix.of(p.detach(), f"matrix {i}") for i, p in enumerate(hidden_matrices(gpt_on(mesh)))]
+        owners = OwnerCompute(cost=lambda shape: 1.0, bucket_bytes=1 << 30, name="gather", every_rank_below=float("inf"))
+        ran = []
+        owners.gather(matrices, lambda i, full: ran.append(i))
+        assert ran == owners.owned_here(matrices) and 0 < len(ran) < len(matrices), ran
+        assert [b.every_rank for b in owners._plan(matrices)] == [False]
+        assert [b.every_rank for b in owners._plan(matrices, every_rank=True)] == [True]

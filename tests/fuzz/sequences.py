@@ -67,7 +67,7 @@ class Spec:
     swap_data: bool = False  # each block's forward gives its lin.weight new data (HF SwitchTransformers' router)
     compiled_mode: bool = False  # shardkit's side sharded by shardkit.compiled.fully_shard, run eagerly (no torch.compile)
     regions: bool = False  # compiled mode with region.REGIONS_FROM = 1: its blocks run region.run (eagerly the region is a plain call)
-    optim: str = "adamw"  # "adamw" | "muon": Muon on the 2-D matrices but the embedding, AdamW on the rest (see Optimizers)
+    optim: str = "adamw"  # "adamw" | "muon" | "muon-owners": Muon on the 2-D matrices but the embedding, AdamW on the rest (see Optimizers)
     paired: bool = False  # inp and out one group, fully_shard([inp, out]) (as [embedding, head]): called first and last (untied models)
     extension: bool = False  # the blocks' lin.weight a tensor subclass with FSDP2's all-gather hooks (tests/gloo/extension_tensors.Tagged; the reference's too)
 
@@ -149,10 +149,11 @@ class Optimizers:
     "muon"``) Muon on the 2-D matrices but the embedding (Muon's usual recipe) and AdamW on
     the rest. The reference gets ``torch.optim.Muon``; both sharded models, shardkit's and
     FSDP2's, get ``shardkit.optim.Muon`` (torch's on DTensors is slow and, as a DTensor
-    Newton-Schulz, not the same math), so that their all-to-alls are compared equal."""
+    Newton-Schulz, not the same math), so that their all-to-alls are compared equal; with
+    ``"muon-owners"`` its ``every_rank_below`` is 0 (owners for every bucket, as on NCCL)."""
 
     def __init__(self, params: dict[str, nn.Parameter], spec: Spec, reference: bool) -> None:
-        matrices = [p for n, p in params.items() if spec.optim == "muon" and p.ndim == 2 and n != "emb.weight"]
+        matrices = [p for n, p in params.items() if spec.optim != "adamw" and p.ndim == 2 and n != "emb.weight"]
         rest = [p for p in params.values() if not any(p is m for m in matrices)]
         self.all = [torch.optim.AdamW(rest, lr=LR, foreach=spec.foreach)]
         self.muon: torch.optim.Optimizer | None = None
@@ -160,6 +161,8 @@ class Optimizers:
             from shardkit.optim import Muon
 
             self.muon = (torch.optim.Muon if reference else Muon)(matrices, lr=LR)
+            if spec.optim == "muon-owners" and not reference:
+                self.muon._owners.every_rank_below = 0.0
             self.all.append(self.muon)
 
     def step(self) -> None:
@@ -892,7 +895,7 @@ class Run:
                         p.grad.mul_(self.grad_scale(name))
             self.ref_optim.step()
             self.ref_optim.zero_grad()
-        self.muon_steps += self.spec.optim == "muon"
+        self.muon_steps += self.spec.optim != "adamw"
         return True
 
     def do_clip(self, max_norm: float, side: Side | None = None, dry: bool = False, reference: bool = True) -> bool:

@@ -22,7 +22,8 @@ def specs(draw, world: int, fsdp2_only: bool = False, mesh: str | None = None) -
     shardkit's side in compiled mode, with only what that mode takes: no mesh of a
     parameter's own; half of those run the blocks as
     nested compile regions (``Spec.regions``). One in four steps the 2-D matrices with Muon
-    (``Spec.optim``); one in four with a bool reshard_after_forward makes the blocks' weight a
+    (``Spec.optim``: half of those with owners for every bucket, the other half as it comes,
+    which on gloo computes these small buckets on every rank); one in four with a bool reshard_after_forward makes the blocks' weight a
     tensor subclass with FSDP2's all-gather hooks (``Spec.extension``). At world 8 and more, one in
     four is HSDP x TP (``Spec.mesh == "hsdp_tp"``); ``mesh`` draws only that mesh."""
     compiled = draw(st.sampled_from([False] * 4 + [True]))  # (shrinks towards eager mode)
@@ -52,7 +53,7 @@ def specs(draw, world: int, fsdp2_only: bool = False, mesh: str | None = None) -
         param_mesh=mesh == "1d" and world % 2 == 0 and (isinstance(reshard, bool) or own_shard_size(world) % reshard == 0) and not compiled and draw(st.booleans()),
         compiled_mode=compiled,
         regions=compiled and draw(st.booleans()),
-        optim=draw(st.sampled_from(["adamw"] * 3 + ["muon"])),  # (shrinks towards AdamW alone)
+        optim=draw(st.sampled_from(["adamw"] * 6 + ["muon", "muon-owners"])),  # (shrinks towards AdamW alone)
         extension=extension,
         paired=tied == "none" and draw(st.booleans()),
     )

@@ -6,6 +6,11 @@ tensor, so that the two runs differ only in the optimizer, and fp32 parameters m
 ``torch.equal``. The GPT check trains for real in bf16 mixed precision (a tolerance), and
 the resume check saves after 3 steps three ways and must continue bit-identically.
 
+The matrices here are small, and on gloo shardkit computes a bucket of small matrices on
+every rank (``every_rank_below``): ``Muon`` and ``PolarExpress`` below are shardkit's with
+that off, so that these checks are of the owners' path; the checks of the every-rank path use
+``shardkit.optim.Muon`` as it comes (``EveryRankMuon``).
+
 (4 ranks, HSDP, FSDP x TP and experts: test_muon_four_ranks.py.)
 """
 
@@ -28,12 +33,23 @@ import shardkit
 from gloo_harness import Checks, run_worker
 from gloo_parity import FULLY_SHARD, full, gpt_batches, gpt_loss, local, mean_over_ranks, small_gpt
 from shardkit import MixedPrecisionPolicy
-from shardkit.optim import Muon, PolarExpress
+from shardkit import optim
 from shardkit.optim.polar_express import polar_express
 
 checks = Checks()
 STEPS = 5
 LR = 0.02
+
+
+class Muon(optim.Muon):
+    every_rank_below = 0.0  # owners, whatever the bucket's size
+
+
+class PolarExpress(optim.PolarExpress):
+    every_rank_below = 0.0
+
+
+EveryRankMuon = optim.Muon  # as it comes: on gloo, the small buckets here on every rank
 
 
 # Helpers shared with test_muon_four_ranks.py ----------------------------------------------
@@ -159,6 +175,39 @@ def two_buckets_issue_two_all_to_alls_each_per_step_and_stay_bit_identical(mesh,
     assert_two_all_to_alls_per_bucket_per_step(t, buckets=2)
     # both buckets' inputs are sent before the first bucket's results come back (they pipeline)
     assert [way for _, way in all_to_alls(t)] == ["in", "in", "out", "out"] * STEPS, t.format(("all_to_all",))
+
+
+def assert_every_rank_buckets(t: shardkit.Trace, ways: list[str], steps: int = STEPS) -> None:
+    """Per step the all-to-alls' ways in order (an every-rank bucket sends "in" and nothing back)."""
+    issued = [way for _, way in all_to_alls(t)]
+    assert issued == ways * steps, f"expected {ways} per step, got:\n" + t.format(("all_to_all",))
+
+
+@checks()
+def a_small_bucket_is_orthogonalized_on_every_rank_with_one_all_to_all_and_bit_identical(mesh, impl):
+    model, ref = built(lambda: mlp(*UNEVEN), shard_layers(impl, mesh))
+    opt, ref_opt = EveryRankMuon(model.parameters(), lr=LR), torch.optim.Muon(ref.parameters(), lr=LR)
+    calls, inner = [0], opt.orthogonalize
+    opt.orthogonalize = lambda matrix, opt_group: (calls.__setitem__(0, calls[0] + 1), inner(matrix, opt_group))[1]
+    t = train_injected(list(model.parameters()), opt, list(ref.parameters()), ref_opt)
+    assert_bit_identical(list(model.parameters()), list(ref.parameters()))
+    assert_every_rank_buckets(t, ["in"])
+    assert calls[0] == 3 * STEPS, calls  # each rank: every matrix, every step
+    # each rank sends its pieces to both ranks (itself too): twice its rows of the three weights
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    assert [e.numel for e in t.collectives("all_to_all")] == [2 * local_numel] * STEPS
+
+
+@checks("shardkit")
+def a_large_bucket_keeps_its_owners_beside_a_small_one_on_every_rank(mesh, impl):
+    # (64, 64): 3 * 64**3 multiply-adds per iteration, above every_rank_below; then (5, 64), (1, 5)
+    model, ref = built(lambda: mlp(64, 64, 5, 1), shard_layers(impl, mesh))
+    opt = EveryRankMuon(model.parameters(), lr=LR, bucket_mb=64 * 64 * 4 / 2**20)  # the first weight alone
+    ref_opt = torch.optim.Muon(ref.parameters(), lr=LR)
+    t = train_injected(list(model.parameters()), opt, list(ref.parameters()), ref_opt)
+    assert_bit_identical(list(model.parameters()), list(ref.parameters()))
+    assert [bucket.every_rank for bucket in next(iter(opt._owners._plans.values()))] == [False, True]
+    assert_every_rank_buckets(t, ["in", "in", "out"])  # bucket 0 in, bucket 1 in (pipelined), bucket 0 out
 
 
 def settings_per_group(params: list[torch.Tensor]) -> list[dict]:

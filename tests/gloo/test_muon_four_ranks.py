@@ -21,9 +21,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from gloo_harness import Checks, run_worker
 from gloo_parity import FULLY_SHARD
-from shardkit.optim import Muon
 from test_muon import (
-    LR, STEPS, assert_bit_identical, assert_two_all_to_alls_per_bucket_per_step, built, mlp, shard_layers, train_injected,
+    LR, STEPS, EveryRankMuon, Muon, assert_bit_identical, assert_every_rank_buckets, assert_two_all_to_alls_per_bucket_per_step, built, mlp, shard_layers,
+    train_injected,
 )
 
 T = TypeVar("T")
@@ -83,6 +83,26 @@ def fsdp_with_tensor_parallel_2x2_is_bit_identical(mesh, impl):
     assert_bit_identical(list(model.parameters()), list(ref.parameters()))
     # one bucket on the (dp, tp) mesh, and one on dp for the last weight (each tp rank's dp pair)
     assert_two_all_to_alls_per_bucket_per_step(t, buckets=2)
+
+
+@checks("shardkit")
+def on_every_rank_hsdp_and_tensor_parallel_2x2_are_bit_identical_with_one_all_to_all(mesh, impl):
+    """The small buckets on every rank: under HSDP each rank gets the pieces of its own replica
+    (the replicas hold the same rows), under FSDP x TP the strided and column pieces of all."""
+    hsdp, dp_tp = mesh_2x2(("replicate", "shard")), mesh_2x2(("dp", "tp"))
+
+    def tensor_parallel(model):
+        parallelize_module(model, dp_tp["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        shard_layers(impl, dp_tp["dp"])(model)
+
+    for make, shard, buckets in ((lambda: mlp(16, 24, 20, 12, 8, 6), shard_layers(impl, hsdp), 1), (lambda: mlp(16, 12, 16, 6), tensor_parallel, 2)):
+        model, ref = built(make, shard)
+        opt, ref_opt = EveryRankMuon(model.parameters(), lr=LR), torch.optim.Muon(ref.parameters(), lr=LR)
+        calls = counting_orthogonalize(opt)
+        t = train_injected(list(model.parameters()), opt, list(ref.parameters()), ref_opt)
+        assert_bit_identical(list(model.parameters()), list(ref.parameters()))
+        assert calls[0] == len(list(model.parameters())) * STEPS, calls  # every rank: every matrix
+        assert_every_rank_buckets(t, ["in"] * buckets)
 
 
 @checks()
