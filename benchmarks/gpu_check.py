@@ -22,7 +22,12 @@ On one GPU, NCCL at world 1, in a few minutes:
    gradients, next to ``torch.optim.Muon`` on the unsharded weights: shardkit's parameters
    must end bit-identical to the unsharded ones after 5 steps; then the median step time of
    each. At world 1 no matrix travels (its one rank owns them all): what differs is DTensor's
-   dispatch in torch's Newton-Schulz.
+   dispatch in torch's Newton-Schulz;
+7. host overhead: 48 blocks of ``Linear(64)`` + ReLU, one group each, plain, shardkit and
+   FSDP2: the host's time per step (forward, backward, AdamW; the GPU waited for between steps,
+   not within them: tiny kernels, so the host is what limits), per group over the plain
+   model's, shardkit's against FSDP2's (the fake-process-group figure of ``make bench`` part 2,
+   here with CUDA streams, events and NCCL).
 
 It prints one table and exits non-zero if a check failed. ``--cpu`` runs the same script on
 the CPU (gloo, shardkit's simulated streams) to check the script itself; the GPU-only
@@ -214,6 +219,35 @@ def measure_against_fsdp2(mesh, device: torch.device) -> None:
            f"step {s_ms:.1f} vs {f_ms:.1f} ms ({s_ms / f_ms:.2f}x), {peaks}, last loss {s_loss:.5f} vs {f_loss:.5f}")
 
 
+def check_host_overhead(mesh, device: torch.device, blocks: int = 48, dim: int = 64, steps: int = 30) -> None:
+    def stack() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(blocks))).to(device)
+
+    models = {"plain": stack()}
+    for impl, shard in (("shardkit", shardkit.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = stack()
+        for block in model:
+            shard(block, mesh=mesh)
+        models[impl] = shard(model, mesh=mesh)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for name, m in models.items()}
+    x = torch.randn(8, dim, device=device)
+    host_ms = {name: [] for name in models}
+    for step in range(steps + 3):
+        for name, model in models.items():  # interleaved: drift hits all three alike
+            sync(device)
+            start = time.perf_counter()
+            model(x).sum().backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            if step >= 3:
+                host_ms[name].append((time.perf_counter() - start) * 1000)
+    ms = {name: statistics.median(t) for name, t in host_ms.items()}
+    us = {impl: (ms[impl] - ms["plain"]) * 1000 / (blocks + 1) for impl in ("shardkit", "fsdp2")}
+    report("host overhead", None, f"per group per step over the plain model: shardkit {us['shardkit']:.0f} us, FSDP2 "
+           f"{us['fsdp2']:.0f} us ({us['shardkit'] / us['fsdp2']:.2f}x); plain step {ms['plain']:.1f} ms, {blocks + 1} groups")
+
+
 def train_timed(model: nn.Module, opt: torch.optim.Optimizer, data: list, device: torch.device) -> tuple[list[float], list[float]]:
     """An AdamW step per batch: each step's milliseconds and loss."""
     times, losses = [], []
@@ -356,6 +390,7 @@ def main() -> int:
             check_overlap(mesh, device, args.delay_ms)
             measure_against_fsdp2(mesh, device)
             check_muon(mesh, device)
+            check_host_overhead(mesh, device)
         if checker is not None:
             report("simulated streams", checker.races == 0, checker.summary())
         check_compiled_mode(mesh, device)  # outside the checker: dynamo compiles nothing under a dispatch mode

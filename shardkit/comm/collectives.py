@@ -115,9 +115,13 @@ class PendingAllGather:
 
 def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> PendingAllGather:
     """Issue one all-gather of the bucket's shards (``finish_all_gather`` copies them out);
-    ``custom``: the user's ``AllGather`` (``set_custom_all_gather``) allocates and runs it."""
+    ``custom``: the user's ``AllGather`` (``set_custom_all_gather``) allocates and runs it.
+    Over one rank there is nothing to gather: the shards are copied into the unsharded
+    buffers and no collective runs, as FSDP2 does (``_alone``)."""
     inputs = bucket.inputs()
     bucket.alloc_outputs(inputs)
+    if comm.world == 1:
+        return _alone(bucket, comm, name, inputs)
     numel = comm.world * bucket.per_rank
     # (no keyword arguments packed per call unless a trace records)
     traced = trace.record("all_gather", name, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim) if trace.is_recording() else None
@@ -135,6 +139,20 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> Pend
 
     handle = comm.streams.issue(Collective("all_gather", name, traced, comm.at_once), {"shards": inputs}, launch)
     return PendingAllGather(bucket, handle, handle.buffers["output"], custom is not None)
+
+
+def _alone(bucket: GatherBucket, comm: Comm, name: str, inputs: list[torch.Tensor]) -> PendingAllGather:
+    """The all-gather of a one-rank dim (a single process, HSDP with one rank per replica):
+    its output is the copy-in (copied once more into the buffer when gathered in place); no
+    collective, no trace line, and a user's all-gather is not called, as FSDP2."""
+
+    def launch(async_op: bool):
+        send = bucket.copy_in(inputs)
+        output = bucket.columns[0].view(-1).copy_(send) if bucket.in_place else send
+        return None, {"input": send, "output": output}
+
+    handle = comm.streams.issue(Collective("all_gather", name, None, True), {"shards": inputs}, launch)
+    return PendingAllGather(bucket, handle, handle.buffers["output"])
 
 
 def finish_all_gather(pending: PendingAllGather) -> None:
@@ -170,8 +188,11 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     """Issue one reduction of the bucket's unsharded grads (None where this rank has none), by
     the route that suits the backend: a reduce-scatter; on gloo (whose reduce-scatter is slow,
     docs/design.md) an all-to-all and a sum here over one dim, else (HSDP, hooks) an
-    all-reduce (twice the bytes); or the user's reduce-scatter."""
-    if settings.custom is not None:
+    all-reduce (twice the bytes); or the user's reduce-scatter. Over one rank, none
+    (``OneRank``)."""
+    if comm.world == 1:
+        route = OneRank
+    elif settings.custom is not None:
         route = UserReduceScatter
     elif comm.gloo:  # an all-to-all over the shard dim alone: no hook, no HSDP
         plain = settings.hook is None and settings.replicate is None and settings.keep_partial is None and settings.partial is None
@@ -199,6 +220,7 @@ class Reduction:
     """
 
     via = ""  # the trace's detail: how the route reduces
+    collective = True  # whether the route runs one (traced and checked)
 
     def __init__(self, bucket: Bucket, comm: Comm, name: str, settings: ReduceSettings) -> None:
         self.bucket, self.comm, self.name, self.settings = bucket, comm, name, settings
@@ -215,8 +237,10 @@ class Reduction:
         bucket, comm, name, settings, pre, op = self.bucket, self.comm, self.name, self.settings, self.pre, self.op
         self.missing = [i for i, g in enumerate(grads) if g is None]
         numel = comm.world * (bucket.per_rank + len(bucket.params))
-        traced = trace.record("reduce_scatter", name, self.via, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim, op=_op_name(op), divide_by=self.divide_by) if trace.is_recording() else None
-        check.before(comm.process_group, "reduce_scatter", name, bucket.dtype, numel, comm.world)
+        traced = None
+        if self.collective:
+            traced = trace.record("reduce_scatter", name, self.via, dtype=bucket.dtype, numel=numel, world=comm.world, mesh_dim=comm.mesh_dim, op=_op_name(op), divide_by=self.divide_by) if trace.is_recording() else None
+            check.before(comm.process_group, "reduce_scatter", name, bucket.dtype, numel, comm.world)
 
         def launch(async_op: bool):
             send = bucket.copy_in(grads, self.missing)  # (world, per_rank + n)
@@ -273,6 +297,16 @@ class Reduction:
         if settings.hook is not None:
             call_on(settings.hook[1], settings.hook[0], reduced)
         bucket.copy_out(reduced if divide_first else self._divide(reduced), counts, self.missing)
+
+
+class OneRank(Reduction):
+    """Over one rank: the copy-in is the reduced row (divided as the ops say), no collective,
+    as FSDP2 (which calls no user's reduce-scatter there either)."""
+
+    collective = False
+
+    def _launch(self, send, op, async_op):
+        return None, send.view(-1), send
 
 
 class ReduceScatter(Reduction):
