@@ -139,7 +139,7 @@ class Heavy(nn.Module):
 @contextlib.contextmanager
 def delayed_all_gathers(delay_ms: float, device: torch.device):
     """Every all-gather waits ``delay_ms`` on its side stream first (a slow network)."""
-    real = collectives._all_gather_single
+    real, skips = collectives._all_gather_single, collectives.ONE_RANK_SKIPS
     cycles = int(delay_ms * sleep_cycles_per_ms()) if device.type == "cuda" else 0
 
     def slow(*args, **kwargs):
@@ -147,11 +147,11 @@ def delayed_all_gathers(delay_ms: float, device: torch.device):
             torch.cuda._sleep(cycles)
         return real(*args, **kwargs)
 
-    collectives._all_gather_single = slow
+    collectives._all_gather_single, collectives.ONE_RANK_SKIPS = slow, False  # world 1: gather all the same
     try:
         yield
     finally:
-        collectives._all_gather_single = real
+        collectives._all_gather_single, collectives.ONE_RANK_SKIPS = real, skips
 
 
 def sleep_cycles_per_ms() -> float:

@@ -42,6 +42,10 @@ from shardkit.core.reduction import divides_in_collectives, reduce_ops
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# A one-rank shard dim runs no collective (``_alone``, ``OneRank``), as FSDP2; tests/gpu and
+# gpu_check.py's overlap check turn this off to put NCCL's collectives on their side streams at
+# world 1, the one GPU they have.
+ONE_RANK_SKIPS = True
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -120,7 +124,7 @@ def all_gather(bucket: GatherBucket, comm: Comm, name: str, custom=None) -> Pend
     buffers and no collective runs, as FSDP2 does (``_alone``)."""
     inputs = bucket.inputs()
     bucket.alloc_outputs(inputs)
-    if comm.world == 1:
+    if comm.world == 1 and ONE_RANK_SKIPS:
         return _alone(bucket, comm, name, inputs)
     numel = comm.world * bucket.per_rank
     # (no keyword arguments packed per call unless a trace records)
@@ -190,7 +194,7 @@ def reduce_scatter(bucket: Bucket, grads: list[torch.Tensor | None], comm: Comm,
     docs/design.md) an all-to-all and a sum here over one dim, else (HSDP, hooks) an
     all-reduce (twice the bytes); or the user's reduce-scatter. Over one rank, none
     (``OneRank``)."""
-    if comm.world == 1:
+    if comm.world == 1 and ONE_RANK_SKIPS:
         route = OneRank
     elif settings.custom is not None:
         route = UserReduceScatter

@@ -28,6 +28,31 @@ def cuda_mesh():
     dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def collectives_at_world_1(monkeypatch):
+    """The checks here are of NCCL's collectives on their side streams, at world 1 (one GPU):
+    issue them though a one-rank dim needs none (``collectives.ONE_RANK_SKIPS``)."""
+    from shardkit.comm import collectives
+
+    monkeypatch.setattr(collectives, "ONE_RANK_SKIPS", False)
+
+
+def test_one_rank_runs_no_collective_and_trains_as_the_unsharded_model(cuda_mesh, monkeypatch):
+    import shardkit
+    from shardkit.comm import collectives
+
+    monkeypatch.setattr(collectives, "ONE_RANK_SKIPS", True)  # as users run it
+    ref = mlp("cuda")
+    model = shard(copy.deepcopy(ref), cuda_mesh)
+    x = torch.randn(8, 64, device="cuda")
+    with shardkit.trace() as t:
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    assert not t.collectives(), t.format()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=lambda s: f"{name}: {s}")
+
+
 def mlp(device="cpu") -> nn.Sequential:
     torch.manual_seed(0)
     with torch.device(device):
