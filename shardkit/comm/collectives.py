@@ -42,11 +42,11 @@ from shardkit.core.reduction import divides_in_collectives, reduce_ops
 
 # torch 2.13 renamed the single-tensor collectives; older torch (e.g. on GPU images) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # A one-rank shard dim runs no collective (``_alone``, ``OneRank``), as FSDP2; tests/gpu and
 # gpu_check.py's overlap check turn this off to put NCCL's collectives on their side streams at
 # world 1, the one GPU they have.
 ONE_RANK_SKIPS = True
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
