@@ -128,6 +128,10 @@ def main(settings: dict) -> None:
         committed = manager.current_step() == step + 1
         print(json.dumps([step, participants, participating, committed]), file=log, flush=True)  # (kept if it dies next)
         if settings["die"] == "after_commit" and committed and step == settings["die_at"]:
+            # the group dies once all its ranks have their commit: group rank 0 serves the
+            # group's torchft manager, and a peer still waiting on its should_commit reply would
+            # fail of the death ("transport error") instead of dying of it
+            dist.barrier()
             os._exit(DIED)
         done = torch.tensor([committed and step + 1 >= settings["steps"] and participants == settings["replicas"]], dtype=torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)  # the group's ranks stop together (each asks its own quorum)

@@ -220,9 +220,9 @@ def clip_grad_norm_counts_each_replica_once(mesh, impl):
 
 @checks("shardkit")
 def muon_is_bit_identical_to_one_process_and_orthogonalizes_each_matrix_once(mesh, impl):
-    from test_muon import LR, assert_bit_identical, built, mlp, train_injected
-
-    from shardkit.optim import Muon
+    """With owners, each matrix once in the 8 ranks; as it comes (these small matrices on
+    every rank, gloo), each rank computes all 4 (its replica's pieces and every tp piece)."""
+    from test_muon import LR, STEPS, EveryRankMuon, Muon, assert_bit_identical, built, mlp, train_injected
 
     mesh3 = mesh_3d()
 
@@ -231,23 +231,22 @@ def muon_is_bit_identical_to_one_process_and_orthogonalizes_each_matrix_once(mes
         for layer in model:
             shardkit.fully_shard(layer, mesh=mesh3["dp_replicate", "dp_shard"])
 
-    model, ref = built(lambda: mlp(16, 12, 16, 10, 6), shard)
-    assert {len(p.placements) for p in model.parameters()} == {3}
-    opt, ref_opt = Muon(model.parameters(), lr=LR), torch.optim.Muon(ref.parameters(), lr=LR)
-    calls, inner = [0], opt.orthogonalize
+    for muon, per_step in ((Muon, 4), (EveryRankMuon, 4 * dist.get_world_size())):
+        model, ref = built(lambda: mlp(16, 12, 16, 10, 6), shard)
+        assert {len(p.placements) for p in model.parameters()} == {3}
+        opt, ref_opt = muon(model.parameters(), lr=LR), torch.optim.Muon(ref.parameters(), lr=LR)
+        calls, inner = [0], opt.orthogonalize
 
-    def counted(matrix, opt_group):
-        calls[0] += 1
-        return inner(matrix, opt_group)
+        def counted(matrix, opt_group):
+            calls[0] += 1
+            return inner(matrix, opt_group)
 
-    opt.orthogonalize = counted
-    train_injected(list(model.parameters()), opt, list(ref.parameters()), ref_opt)
-    assert_bit_identical(list(model.parameters()), list(ref.parameters()))
-    total = torch.tensor([calls[0]])
-    dist.all_reduce(total)
-    from test_muon import STEPS as MUON_STEPS
-
-    assert int(total) == 4 * MUON_STEPS, int(total)  # 4 matrices a step, none computed twice
+        opt.orthogonalize = counted
+        train_injected(list(model.parameters()), opt, list(ref.parameters()), ref_opt)
+        assert_bit_identical(list(model.parameters()), list(ref.parameters()))
+        total = torch.tensor([calls[0]])
+        dist.all_reduce(total)
+        assert int(total) == per_step * STEPS, (muon.__name__, int(total))  # 4 matrices a step
 
 
 def shared_dir() -> str:
