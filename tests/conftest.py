@@ -87,6 +87,7 @@ SLOW_PATHS = (
     "tests/planner/test_plan.py::test_llama_70b_at_world_64_plans_within_30_seconds",  # ~4 s
     "tests/fake/test_compiled_graphs.py::test_collectives",  # torch.compile: ~4 s a model
     "tests/fake/test_compiled_graphs.py::test_mixed_precision",
+    "tests/fake/test_compiled_graphs.py::test_every_rank_compiles_the_same_graphs",  # torch.compile, twice
     "tests/fake/test_compiled_graphs.py::test_the_trace",
     "tests/fake/test_compiled_graphs.py::test_peak_memory",
     "tests/fake/test_compiled_graphs.py::test_a_second_model",

@@ -241,12 +241,16 @@ class CompiledGroup:
         return self.leaves[i] if owner is None else owner.leaves[self.owner_index[i]]
 
     def make_leaves(self) -> None:
-        """Per parameter, its local shard as a plain leaf tensor that requires grad: what the
-        graph takes instead of the DTensor. A DTensor input costs AOTAutograd a subclass
-        unwrap at every call and dynamo more to trace (docs/design.md, "What the graph takes and
-        gives: leaves and hooks"; the measurement: benchmarks/README.md). The leaf shares
-        the shard's storage (the optimizer's in-place steps reach it); its gradient moves to
-        the parameter's ``.grad`` (``_to_param``). Made again wherever the registered
+        """Per parameter, its padded shard (``ShardedParam.padded_shard``: the all-gather's
+        input, whose real rows the DTensor's local tensor views) as a plain leaf tensor that
+        requires grad: what the graph takes instead of the DTensor. A DTensor input costs
+        AOTAutograd a subclass unwrap at every call and dynamo more to trace (docs/design.md,
+        "What the graph takes and gives: leaves and hooks"; the measurement:
+        benchmarks/README.md); the padded shard needs no padding rows made in the graph, and
+        every rank's graph takes the same shapes. The leaf shares the shard's storage (the
+        optimizer's in-place steps reach it); its gradient's real rows move to the parameter's
+        ``.grad`` (``_to_param``). A parameter that all-gathers itself (dtensor/extension.py)
+        gives its local tensor, which its hooks read. Made again wherever the registered
         parameters change (module.py: ``.to()``, ``setattr``, ``load_state_dict``)."""
         self.leaves = []
         for i, param in enumerate(self.registered()):
@@ -256,7 +260,9 @@ class CompiledGroup:
             if not isinstance(param, DTensor):
                 raise ValueError(f"shardkit.compiled: parameter '{self.params[i].fqn}' is a {type(param).__name__}, no longer the DTensor "
                                  "fully_shard made; assign a DTensor sharded as it was (load_state_dict turns full tensors into one).")
-            leaf = param._local_tensor.detach()
+            p = self.params[i]
+            plain = p.extension is None and backs(p.padded_shard, param._local_tensor)
+            leaf = (p.padded_shard if plain else param._local_tensor).detach()
             if leaf.is_floating_point() or leaf.is_complex():
                 leaf.requires_grad_()
                 leaf.register_post_accumulate_grad_hook(functools.partial(_to_param, self, i))
@@ -362,6 +368,8 @@ def _to_param(group: CompiledGroup, i: int, leaf: torch.Tensor) -> None:
                            "setattr, load_state_dict or .to()): this gradient is for the tensor it held. Replace parameters by one of those.")
     if not param.requires_grad or grad is None:
         return
+    if grad.shape[0] != p.local_rows:  # a padded leaf (make_leaves): the real rows
+        grad = grad.narrow(0, 0, p.local_rows)
     if not group.watch.holds_back(i, grad):  # (watched: whether any rank used it is known at the end of backward)
         p.set_sharded_grad(grad)
 

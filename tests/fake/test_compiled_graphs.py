@@ -116,6 +116,26 @@ def test_collectives_and_their_bytes_equal_eager_shardkits(reshard, gathered_aga
     assert len(forward) == 3 and Counter(k for k, _ in backward) == {"reduce_scatter": 3, **({"all_gather": gathered_again} if gathered_again else {})}
 
 
+def _graph_of(rank: int) -> tuple[list, list]:
+    """The forward and backward graphs' inputs (shapes) and ops, in order, on fake rank ``rank``."""
+    with fake_world(WORLD, rank=rank) as mesh:
+        recording = compiled_step(mesh)
+    graphs = [recording.graphs[k][0].graph for k in ("forward", "backward")]
+    return ([[tuple(n.meta["val"].shape) for n in g.nodes if n.op == "placeholder" and "val" in n.meta] for g in graphs],
+            [[str(n.target) for n in g.nodes if n.op == "call_function"] for g in graphs])
+
+
+def test_every_rank_compiles_the_same_graphs_from_its_padded_shards():
+    """The graph takes each parameter's padded shard (CompiledGroup.make_leaves), so a rank
+    with padding rows (rank 7: 2 of the embedding's 9 rows a rank are real) makes no zeros and
+    no concatenation of its own: the same inputs and ops as rank 0's, and the same padded
+    shard's bytes in its all-gather (the gradient's real rows reach .grad: test_a_weight_tied_... and
+    the gloo checks of 13-row blocks, tests/gloo/test_compiled_mode_graph_breaks.py)."""
+    (inputs0, ops0), (inputs7, ops7) = _graph_of(0), _graph_of(WORLD - 1)
+    assert inputs7 == inputs0 and ops7 == ops0
+    assert (9, CONFIG.n_embd) in inputs7[0]  # the embedding's padded shard: 65 rows, 9 a rank
+
+
 def test_mixed_precision_gathers_bf16_and_reduces_fp32_as_eager():
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with fake_world(WORLD) as mesh:
