@@ -369,7 +369,7 @@ def _to_param(group: CompiledGroup, i: int, leaf: torch.Tensor) -> None:
     if not param.requires_grad or grad is None:
         return
     if grad.shape[0] != p.local_rows:  # a padded leaf (make_leaves): the real rows
-        grad = grad.narrow(0, 0, p.local_rows)
+        grad = p._valid(grad)
     if not group.watch.holds_back(i, grad):  # (watched: whether any rank used it is known at the end of backward)
         p.set_sharded_grad(grad)
 

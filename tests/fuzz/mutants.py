@@ -181,7 +181,7 @@ MUTANTS = {
                                      "over a one-rank shard dim the reduced row is not the copy-in"),
     "compiled-leaves-unpadded": ("shardkit/compiled/group.py", "leaf = (p.padded_shard if plain else param._local_tensor).detach()", "leaf = param._local_tensor.detach()",
                                  "compiled mode's graph takes the real rows and pads in the graph: a rank with padding rows compiles other graphs"),
-    "compiled-padding-rows-to-grad": ("shardkit/compiled/group.py", "        grad = grad.narrow(0, 0, p.local_rows)", "        pass",
+    "compiled-padding-rows-to-grad": ("shardkit/compiled/group.py", "        grad = p._valid(grad)", "        pass",
                                       "compiled mode hands a padded leaf's whole gradient, padding rows included, to .grad"),
     "resizable-group-size-frozen": ("shardkit/comm/collectives.py", "return self.process_group.size() if self.resizable else self.world", "return self.world",
                                     "a replicate group whose size changes (torchft) is divided by its size at lazy init"),
