@@ -96,6 +96,8 @@ SLOW_PATHS = (
     "tests/fake/test_compiled_graphs.py::test_blocks_under_the_users_checkpoint_train",  # torch.compile, twice: ~3 s
     "tests/fake/test_compiled_graphs.py::test_blocks_under_the_users_checkpoint_compile",  # torch.compile, 4 times
     "tests/fake/test_compiled_graphs.py::test_more_models_and_breaking_blocks",  # torch.compile past dynamo's recompile limit
+    "tests/fake/test_compiled_graphs.py::test_blocks_that_break_the_graph",  # torch.compile with graph breaks: ~3 s
+    "tests/fake/test_compiled_graphs.py::test_a_weight_tied_across_calls",  # torch.compile, twice: ~3 s
     "tests/fake/test_compiled_overlap.py",  # inductor compiles the GPT: ~15 s
     "tests/fake/test_compiled_fuzz_models.py",  # torch.compile of the fuzzer's models: ~10 s
     "tests/fake/test_compiled_methods.py::test_a_new_setting",  # torch.compile, 4 times
