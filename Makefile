@@ -58,8 +58,10 @@ $(BENCH_STAMP): $(STAMP)
 	$(VENV)/bin/pip install "$(BENCH_DEPS)"
 	touch $@
 
-# One thread per rank and per test process: the ranks share the 2 cores.
-PYTEST = OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+# One thread per rank and per test process: the ranks share the 2 cores. Inductor compiles in the
+# test process (TORCHINDUCTOR_COMPILE_THREADS=1), as in the gloo ranks: no pool of worker processes
+# that each import torch and that the test then waits for.
+PYTEST = OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The quick tier, under a minute on 2 cores: every test that starts no process and is not
 # slow (unit, fake process group, planner, the fuzzer's fake-PG part). The marks are set in
