@@ -20,6 +20,7 @@ failure line. A mutant no tier kills is a hole in the tests.
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import shutil
 import subprocess
@@ -234,13 +235,20 @@ def run_mutant(name: str, full: bool, tests: list[str] | None = None) -> tuple[s
         tree = Path(tmp) / "tree"
         copy_tree(tree)
         mutate(tree, file, old, new)
+        scratch = Path(tmp) / "tmp"
+        scratch.mkdir()
+        inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
         start = time.monotonic()
         tiers = [("chosen tests", PY + tests)] if tests else TIERS + (FULL if full else [])
         for tier in tiers:
             label, cmd, extra = (*tier, {})[:3]
             # PYTHONPATH: the processes tests start by path (torchrun, a worker script) would
             # otherwise import the checkout's shardkit through its editable install.
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree), **extra}
+            # TMPDIR: what the tests' processes leave behind when a mutant fails them (a failing
+            # test's tmp_path, the folder of a pytest killed by a check) goes with this folder;
+            # inductor's kernel cache stays the shared one.
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree), "TMPDIR": str(scratch),
+                   "TORCHINDUCTOR_CACHE_DIR": inductor_cache, **extra}
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:  # the whole output kept: a crash's cause is rarely in its first line
                 log = Path(tempfile.gettempdir()) / f"mutant-{name}.log"
