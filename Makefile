@@ -66,8 +66,9 @@ PYTEST = OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 $(VENV)/bin/python -m
 # The quick tier, under a minute on 2 cores: every test that starts no process and is not
 # slow (unit, fake process group, planner, the fuzzer's fake-PG part). The marks are set in
 # tests/conftest.py; --forbid-subprocess fails a test that starts a process without its mark.
+# Its fuzzer budget is 100 fake-process-group examples (make test: 150).
 test-fast: $(STAMP)
-	$(PYTEST) -m "not subprocess and not slow" --forbid-subprocess tests
+	FUZZ_FAKE_EXAMPLES=100 $(PYTEST) -m "not subprocess and not slow" --forbid-subprocess tests
 
 # Every test, and the fake-process-group tier and the 2-rank gloo parity modules once more with
 # SHARDKIT_STREAMS=sim (test-sim): shardkit takes its CUDA path on simulated streams, and every
