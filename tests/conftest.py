@@ -143,8 +143,14 @@ def pytest_configure(config):
     of make test and by the next run."""
     folder = tempfile.mkdtemp(prefix="shardkit-tests-")
     config.stash[_TMPDIR] = folder
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     os.environ["TMPDIR"] = folder
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's kernel cache, shared by every test process and run (and by the mutant tool's,
+    whose TMPDIR is a folder of its own): the user's folder in the system's temporary folder."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 
 def pytest_unconfigure(config):

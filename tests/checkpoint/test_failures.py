@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import tempfile
 import zlib
 
 import pytest
@@ -28,12 +29,13 @@ from tests.conftest import forget_meshes
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
-    forget_meshes()
+def mesh():
+    with tempfile.TemporaryDirectory() as folder:  # (tmp_path_factory's folders outlive a passing run)
+        store = dist.FileStore(os.path.join(folder, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        yield init_device_mesh("cpu", (1,))
+        dist.destroy_process_group()
+        forget_meshes()
 
 
 def model(mesh, width: int = 8, extra_layer: bool = False) -> nn.Module:

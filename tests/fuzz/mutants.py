@@ -20,7 +20,6 @@ failure line. A mutant no tier kills is a hole in the tests.
 from __future__ import annotations
 
 import argparse
-import getpass
 import os
 import shutil
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.conftest import inductor_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -237,7 +238,7 @@ def run_mutant(name: str, full: bool, tests: list[str] | None = None) -> tuple[s
         mutate(tree, file, old, new)
         scratch = Path(tmp) / "tmp"
         scratch.mkdir()
-        inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        inductor_cache = inductor_cache_dir()
         start = time.monotonic()
         tiers = [("chosen tests", PY + tests)] if tests else TIERS + (FULL if full else [])
         for tier in tiers:
