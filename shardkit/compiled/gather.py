@@ -26,11 +26,14 @@ class _GatherGraphBucket(torch.autograd.Function):
     HSDP without the all-reduce (``set_requires_all_reduce(False)``): the reduce-scattered rows
     go to the ``partial`` leaf's gradient instead, as sums (times the shard ranks where the
     reduce-scatter averaged), and the next backward with it adds them before its all-reduce, in
-    its own rows' units, as eager mode."""
+    its own rows' units, as eager mode. Frozen parameters next to trainable ones
+    (``trains``: per parameter, or None where all train) are cut out of the reductions, as eager
+    mode reduces the trainable ones only (``Bucket.subset``)."""
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None, presence: torch.Tensor, reuse: torch.Tensor | None,
-                keep: torch.Tensor | None, group: CompiledGroup, bucket: GraphBucket, settings: "Settings", traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                keep: torch.Tensor | None, group: CompiledGroup, bucket: GraphBucket, settings: "Settings", traced: bool,
+                trains: tuple[bool, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``unreduced``: without ``settings.sync``, the leaf that keeps the unsharded gradient
         (``CompiledGroup.unreduced_leaf``); with it, what earlier backwards kept (added before the
         reduce-scatter), or None. ``partial`` the same for the all-reduce (``settings.all_reduce``,
@@ -40,12 +43,13 @@ class _GatherGraphBucket(torch.autograd.Function):
         ``settings.keep``, the leaf whose gradient gets this one (``CompiledGroup.kept_leaf``).
         ``traced``: run the trace ops here (False inside a nested compile region, which records
         its collectives outside: region.py). Returns the gathered rows and one zero mark per
-        parameter. A bucket that gathers bytes (``bucket.as_bytes``) gathers nothing here
-        (``_self_gathered`` does): its rows are zeros that only carry the gradient (no memory)."""
+        parameter. A carrier bucket (its group gathers apart: ``_gathered_apart``) gathers
+        nothing here: its rows are zeros that only carry the gradient (no memory)."""
         ctx.group, ctx.reduce_dtype, ctx.dtype, ctx.settings, ctx.traced = group, bucket.reduce_dtype, flat.dtype, settings, traced
         marks = presence.new_zeros(presence.shape)
         ctx.marks = marks.numel()
-        if bucket.as_bytes:
+        ctx.cut = None if trains is None else Cut(bucket.numels, trains)
+        if bucket.carrier:
             gathered = flat.new_zeros((), dtype=bucket.param_dtype).expand(flat.numel() * group.shard_comm.world)
         else:
             gathered = reuse.view_as(reuse) if reuse is not None else _gathered_rows(flat.to(bucket.param_dtype), flat, group, settings, traced)
@@ -58,7 +62,30 @@ class _GatherGraphBucket(torch.autograd.Function):
         """The gradients of (flat, unreduced, partial, presence), then None for ``reuse``, the
         gathered rows for ``keep`` (``settings.keep``), and None for the rest."""
         unreduced, partial, gathered = ctx.saved_tensors
-        return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 4
+        return (*_reduced(ctx, grad, used, unreduced, partial), None, gathered) + (None,) * 5
+
+
+class Cut(NamedTuple):
+    """A bucket's reduction without its frozen parameters: their rows and grad-presence counts
+    left out of the collectives, zeros in their place after."""
+
+    numels: list[int]  # per parameter, its rows per rank
+    trains: tuple[bool, ...]  # per parameter
+
+    def out(self, x: torch.Tensor, ranks: int) -> torch.Tensor:
+        """``x`` (``ranks`` rows of (rows..., counts)) without the frozen parameters' parts, flat."""
+        rows = x.view(ranks, -1)
+        *blocks, counts = rows.split([*self.numels, len(self.numels)], dim=1)
+        keep = [k for k, t in enumerate(self.trains) if t]
+        return torch.cat([*(blocks[k] for k in keep), counts[:, keep]], dim=1).reshape(-1)
+
+    def back(self, x: torch.Tensor) -> torch.Tensor:
+        """``out``'s inverse on one rank's part: zeros for the frozen parameters' rows and counts."""
+        kept = [n for n, t in zip(self.numels, self.trains) if t]
+        *blocks, counts = x.split([*kept, len(kept)])
+        blocks, counts = iter(blocks), iter(counts.split(1))
+        rows = [next(blocks) if t else x.new_zeros(n) for n, t in zip(self.numels, self.trains)]
+        return torch.cat([*rows, *(next(counts) if t else x.new_zeros(1) for t in self.trains)])
 
 
 def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.Tensor | None, partial: torch.Tensor | None) -> tuple:
@@ -72,6 +99,9 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
     shard_op, replicate_op = "avg" if ops.shard_averages else "sum", "avg" if ops.replicate_averages else "sum"
     if unreduced is not None:  # as eager mode: the kept sum, plus this backward's gradient
         grad = unreduced + grad
+    cut = ctx.cut
+    if cut is not None:
+        grad = cut.out(grad, shard.world)
     if ops.before != 1:
         grad = grad / ops.before
     reduced = grad
@@ -80,8 +110,10 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
         reduced = _reduce_scatter(grad, shard, shard_op)  # (per_rank + n,)
         _trace(ctx.traced, reduced, "reduce_scatter", group.name, shard, True)
     if group.hsdp and not settings.all_reduce:  # kept for the next all-reduce, as sums (their ops may differ)
-        return None, None, reduced * shard.world if ops.shard_averages else reduced, None
+        kept = reduced * shard.world if ops.shard_averages else reduced
+        return None, None, kept if cut is None else cut.back(kept), None
     if partial is not None:  # as eager mode: this backward's rows, plus the sums kept, in the rows' units
+        partial = partial if cut is None else cut.out(partial, 1)
         reduced = reduced + (partial / shard.world if ops.shard_averages else partial)
     if group.all_reduces:
         _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, False, replicate_op)
@@ -89,6 +121,8 @@ def _reduced(ctx: Any, grad: torch.Tensor, used: torch.Tensor, unreduced: torch.
         _trace(ctx.traced, reduced, "all_reduce", group.name, replicate, True)
     if ops.after != 1:
         reduced = reduced / ops.after
+    if cut is not None:
+        reduced = cut.back(reduced)
     rows, counts = reduced.split([reduced.numel() - ctx.marks, ctx.marks])
     return rows.to(ctx.dtype), None, None, counts
 
@@ -241,9 +275,9 @@ class Settings(NamedTuple):
     def per_bucket(self, group: CompiledGroup) -> list["Settings"]:
         """Each bucket's: a bucket of weights tied to an earlier call's is reduced with that
         call's settings (sync, divide factor, all-reduce), as eager mode reduces them there; a
-        bucket that gathers bytes keeps nothing after backward (it gathers again)."""
+        carrier bucket keeps nothing after backward (its group gathers again)."""
         own = (self if b.owner is None else Settings.of(b.owner)._replace(reshard=self.reshard, post_forward=self.post_forward, keep=self.keep) for b in group.buckets)
-        return [s._replace(keep=s.keep and not b.as_bytes) for s, b in zip(own, group.buckets)]
+        return [s._replace(keep=s.keep and not b.carrier) for s, b in zip(own, group.buckets)]
 
 
 KEPT = ("unreduced", "partial", "presence", "reuse", "keep")  # gather_inputs's second, per bucket each, in this order
@@ -290,16 +324,29 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         unreduced, partial, presence, reuse, keep = (inputs[n + k * b : n + (k + 1) * b] for k in range(len(KEPT)))  # per bucket each
         unsharded: list[Any] = [None] * n
         marks = []  # per bucket
-        for b, (bucket, s) in enumerate(zip(buckets, per_bucket)):
-            copies = _copies(bucket)
-            *params, bucket_marks = _bucket_gathered(group.uid, b, tuple(s), traced, call, unreduced[b], partial[b], presence[b], reuse[b], keep[b],
-                                                     *(shards[c.index] for c in copies))
-            marks.append(bucket_marks)
+        marks: list[Any] = [None] * len(buckets)  # per bucket
+        # Gathering apart, the buckets' autograd functions only reduce: made last to first, as
+        # autograd runs the latest first, so that they reduce-scatter in eager mode's order
+        order = range(len(buckets)) if not group.gathers_apart else reversed(range(len(buckets)))
+        for b in order:
+            bucket, copies = buckets[b], _copies(buckets[b])
+            *params, marks[b] = _bucket_gathered(group.uid, b, tuple(per_bucket[b]), traced, call, unreduced[b], partial[b], presence[b], reuse[b], keep[b],
+                                                 *(shards[c.index] for c in copies))
             for c, param in zip(copies, params):
-                unsharded[c.index] = _with_tp(param, group.params[c.index]) if c.tp else param
-            if bucket.as_bytes:
-                for c, mark, built in zip(copies, bucket_marks.unbind(), _self_gathered(group, bucket, shards, traced)):
-                    unsharded[c.index] = _Attach.apply(unsharded[c.index], mark, built)
+                unsharded[c.index] = param
+        if group.gathers_apart:
+            built = _gathered_apart(group, settings, shards, traced)
+            for bucket, bucket_marks in zip(buckets, marks):
+                for c, mark in zip(_copies(bucket), bucket_marks.unbind()):
+                    if not shards[c.index].requires_grad:  # frozen: no gradient, as eager mode's
+                        unsharded[c.index] = built[c.index]
+                        continue
+                    hooked = group.params[c.index].extension is not None  # (the others are marked where read: unused.reading)
+                    unsharded[c.index] = _Attach.apply(unsharded[c.index], mark if hooked else None, built[c.index])
+        for bucket in buckets:
+            for c in _copies(bucket):
+                if c.tp:
+                    unsharded[c.index] = _with_tp(unsharded[c.index], group.params[c.index])
         return unsharded + marks
 
     if torch.is_grad_enabled() and (settings.reshard or torch.compiler.is_compiling()):
@@ -337,12 +384,17 @@ def _bucket_gathered(uid: str, b: int, settings: tuple, traced: bool, call: int,
     bucket = group.buckets[b]
     if call and group.params[bucket.copies[0].index].extension is None:  # (compiled._gatherer: the same view of the first shard, in ops of its own)
         shards = (shards[0][: shards[0].shape[0] + call], *shards[1:])
-    flat = torch.cat([_padded(shard, c.padded_rows) for shard, c in zip(shards, bucket.copies)])
-    gathered, marks = _GatherGraphBucket.apply(flat, unreduced, partial, presence, reuse, keep, group, bucket, Settings(*settings), traced)
+    # (a bucket that carries the gradients of several dtypes: each shard's in the bucket's, reduce_dtype)
+    flat = torch.cat([_padded(shard, c.padded_rows).to(bucket.dtype) for shard, c in zip(shards, bucket.copies)])
+    trains = tuple(shard.requires_grad for shard in shards)  # (a frozen parameter's leaf comes detached: CompiledGroup.inputs)
+    trains = None if all(trains) or not any(trains) else trains
+    gathered, marks = _GatherGraphBucket.apply(flat, unreduced, partial, presence, reuse, keep, group, bucket, Settings(*settings), traced, trains)
     rows = gathered.view(group.shard_comm.world, -1)
     # each parameter's column (world, shard_numel), copied out contiguous in one op (no copy for one parameter)
     columns = torch.split_with_sizes_copy(rows, bucket.numels, dim=1) if len(shards) > 1 else (rows,)
-    return (*(_unsharded(column, c) for c, column in zip(bucket.copies, columns)), marks)
+    # a frozen parameter, as eager mode's, takes no gradient: its module computes none
+    params = (_unsharded(column if trains is None or trains[k] else column.detach(), c) for k, (c, column) in enumerate(zip(bucket.copies, columns)))
+    return (*params, marks)
 
 
 @torch.compiler.assume_constant_result
@@ -351,52 +403,63 @@ def _copies(bucket: GraphBucket) -> tuple[Copy, ...]:
     return bucket.copies
 
 
-def _self_gathered(group: CompiledGroup, bucket: GraphBucket, shards: tuple, traced: bool) -> list[torch.Tensor]:
-    """The unsharded form of each parameter of a bucket that gathers bytes: for a parameter
-    that all-gathers itself (dtensor/extension.py), its shard's ``fsdp_pre_all_gather`` inputs,
-    for the others the padded shard in param_dtype, all as bytes in ONE all-gather (as eager
-    mode); then ``fsdp_post_all_gather`` on each such parameter's outputs (rank-major), the
-    others' columns viewed back. No autograd here: ``_Attach`` carries the gradient."""
+def _gathered_apart(group: CompiledGroup, settings: Settings, shards: tuple, traced: bool) -> dict[int, torch.Tensor]:
+    """The unsharded form of each parameter of a group that gathers apart, by index, from ONE
+    all-gather (two with ``reshard_after_forward=R``: ``_gathered_rows``), as eager mode's: each
+    parameter's padded shard in its param dtype, or, for one that all-gathers itself
+    (dtensor/extension.py), its ``fsdp_pre_all_gather`` inputs, end to end, as bytes where the
+    dtypes differ; then ``fsdp_post_all_gather`` on each such parameter's outputs (rank-major),
+    the others' columns viewed back. No autograd here: ``_Attach`` carries the gradients."""
     world = group.shard_comm.world
+    copies = sorted((c for b in group.buckets if b.carrier for c in _copies(b)), key=lambda c: c.index)
     with torch.no_grad():
-        sent = [_send(group, c.index, shards[c.index], bucket.param_dtype) for c in bucket.copies]  # (inputs, metadata) per parameter
+        sent = [_send(group, c.index, shards[c.index]) for c in copies]  # (inputs, metadata) per parameter
         inputs = [t.contiguous() for ins, _ in sent for t in ins]
-        send = torch.cat([t.view(-1).view(torch.uint8) for t in inputs])  # this rank's bytes
-        received = _all_gather(send, group.name, group.shard_comm, traced) if world > 1 else send
-        columns = iter(received.view(world, -1).split([t.numel() * t.element_size() for t in inputs], dim=1))
-        built = []
-        for c, (ins, metadata) in zip(bucket.copies, sent):
+        as_bytes = len({t.dtype for t in inputs}) > 1
+        send = torch.cat([t.view(-1).view(torch.uint8) if as_bytes else t.view(-1) for t in inputs])  # this rank's
+        received = _gathered_rows(send, None, group, settings, traced)
+        sizes = [t.numel() * t.element_size() if as_bytes else t.numel() for t in inputs]
+        columns = iter(received.view(world, -1).split(sizes, dim=1))
+        built = {}
+        for c, (ins, metadata) in zip(copies, sent):
             i, p = c.index, group.params[c.index]
             if p.extension is None:
-                built.append(_unsharded(next(columns).contiguous().view(bucket.param_dtype), c))  # (world, shard_numel) -> the parameter
+                built[i] = _unsharded(_as(next(columns), p.param_dtype, as_bytes), c)  # (world, shard_numel) -> the parameter
                 continue
-            outputs = tuple(next(columns).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in ins)  # (world * rows, ...)
-            tensor, _ = shards[i].fsdp_post_all_gather(outputs, metadata, bucket.param_dtype)
-            built.append(tensor if tensor.shape == p.shape else tensor[: p.shape[0]])
+            outputs = tuple(_as(next(columns), t.dtype, as_bytes).view(-1, *t.shape[1:]) for t in ins)  # (world * rows, ...)
+            tensor, _ = shards[i].fsdp_post_all_gather(outputs, metadata, p.param_dtype)
+            built[i] = tensor if tensor.shape == p.shape else tensor[: p.shape[0]]
     return built
 
 
-def _send(group: CompiledGroup, i: int, shard: torch.Tensor, param_dtype: torch.dtype) -> tuple[list[torch.Tensor], Any]:
-    """What parameter ``i`` sends in a bucket of bytes: its hook's inputs and metadata, or its padded shard."""
+def _as(column: torch.Tensor, dtype: torch.dtype, as_bytes: bool) -> torch.Tensor:
+    """A piece's column ``(world, size)`` of the all-gather output, copied out flat in its own
+    dtype (a copy: a view of bytes as a wider dtype needs an aligned offset)."""
+    return column.clone(memory_format=torch.contiguous_format).view(-1).view(dtype) if as_bytes else column.contiguous()
+
+
+def _send(group: CompiledGroup, i: int, shard: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+    """What parameter ``i`` sends when its group gathers apart: its hook's inputs and metadata, or its padded shard in param dtype."""
     p = group.params[i]
     if p.extension is None:
-        return [_padded(shard, p.layout.padded_rows).to(param_dtype)], None
+        return [_padded(shard, p.layout.padded_rows).to(p.param_dtype)], None
     return extension.pre_all_gather(shard, group.extension_mesh, p.shape, p.slots[0].module, group.mp_policy, f"parameter '{p.fqn}'", group.hook_arity[i])
 
 
 class _Attach(torch.autograd.Function):
-    """A parameter gathered as bytes (``built``) as what autograd sees: its gradient goes to
-    ``carrier``, the parameter's column of its bucket's rows (reduce-scattered as any other),
-    and a one to its ``mark`` (it was used: unused.py)."""
+    """A parameter its group gathered apart (``built``) as what autograd sees: its gradient goes
+    to ``carrier``, the parameter's column of its bucket's rows (reduce-scattered as any other),
+    and, for a parameter that all-gathers itself, a one to its ``mark`` (it was used:
+    unused.py; the others' marks are given where the forward reads them, ``unused.reading``)."""
 
     @staticmethod
-    def forward(ctx: Any, carrier: torch.Tensor, mark: torch.Tensor, built: torch.Tensor) -> torch.Tensor:
-        ctx.dtype, ctx.device = mark.dtype, mark.device
+    def forward(ctx: Any, carrier: torch.Tensor, mark: torch.Tensor | None, built: torch.Tensor) -> torch.Tensor:
+        ctx.mark = None if mark is None else (mark.dtype, mark.device)
         return built
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, torch.ones((), dtype=ctx.dtype, device=ctx.device), None
+        return grad, None if ctx.mark is None else torch.ones((), dtype=ctx.mark[0], device=ctx.mark[1]), None
 
 
 def _padded(shard: torch.Tensor, padded_rows: int) -> torch.Tensor:

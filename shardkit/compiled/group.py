@@ -39,21 +39,20 @@ def by_uid(uid: str) -> "CompiledGroup":
 
 @dataclass
 class GraphBucket:
-    """The parameters of a group that travel in one collective of the graph: one original, one
-    param and one reduce dtype (usually the whole group), with the same grad-presence column as
-    eager mode's (``reduced_numel``) and, for parameters that all-gather themselves, bytes
-    (``as_bytes``). Eager mode buckets otherwise (``comm/buckets.py``): one all-gather per
-    group, mixed dtypes as bytes, and one reduce-scatter per reduce dtype; the graph's all-gather
-    and reduce-scatter of a bucket are one autograd function, so they split alike."""
+    """The parameters of a group whose gradients travel in one reduce-scatter of the graph, with
+    the same grad-presence column as eager mode's (``reduced_numel``): the whole group where it
+    has one dtype, one param dtype and one reduce dtype (then the bucket's all-gather is the
+    same autograd function's forward), else one per reduce dtype, which only carries the
+    gradients (``carrier``; the group gathers apart: ``CompiledGroup.make_buckets``)."""
 
     numels: list[int]  # padded shard elements per parameter
     dtype: torch.dtype
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     owner: "CompiledGroup | None" = None  # weights tied to an earlier call's: reduced with its settings
-    # A group with parameters that all-gather themselves (fsdp_pre_all_gather): all its buckets
-    # gather bytes, those parameters' hook inputs and the others' shards (gather._self_gathered)
-    as_bytes: bool = False
+    # The group gathers apart: this bucket gathers nothing, its rows (zeros, no memory) carry the
+    # gradients of what the group's one all-gather made (gather._gathered_apart)
+    carrier: bool = False
     copies: tuple["Copy", ...] = ()  # per parameter, in order: its index and what the gather reads of its layout
 
     @property
@@ -325,12 +324,26 @@ class CompiledGroup:
                                "run a backward with set_requires_gradient_sync(True) and set_requires_all_reduce(True) before moving the model.")
 
     def make_buckets(self) -> None:
-        """The parameters by (dtype, param dtype, reduce dtype, owner): one collective each."""
+        """The buckets, by eager mode's rule (``comm/buckets.py``): one reduce-scatter per reduce
+        dtype and one all-gather for the group. Where every parameter has one dtype, one param
+        dtype and one reduce dtype (most groups), one bucket of them all-gathers and
+        reduce-scatters in one autograd function. Otherwise (mixed dtypes, parameters that
+        all-gather themselves) the group gathers apart (``gathers_apart``): its buckets, one per
+        reduce dtype in the order of their first parameters, only carry the gradients, and ONE
+        all-gather of the group (bytes where the param dtypes differ) makes the parameters
+        (``gather._gathered_apart``). Weights tied to an earlier call's are a bucket of their
+        own, reduced with that call's settings."""
         self.check_movable()
         self._unreduced, self._partial, self._presence, self._kept = {}, {}, {}, {}  # (what was kept is gathered again)
+        own = [p for i, p in enumerate(self.params) if i not in self.owners]
+        self.gathers_apart = self.extension_mesh is not None or len({(p.dtype, p.param_dtype, p.reduce_dtype) for p in own}) > 1
         buckets: dict[tuple, GraphBucket] = {}
         for i, p in enumerate(self.params):
-            key = (p.dtype, p.param_dtype, p.reduce_dtype, self.owners.get(i), self.extension_mesh is not None)
+            owner = self.owners.get(i)
+            if self.gathers_apart and owner is None:  # a carrier: its rows in reduce_dtype
+                key = (p.reduce_dtype, p.reduce_dtype, p.reduce_dtype, None, True)
+            else:
+                key = (p.dtype, p.param_dtype, p.reduce_dtype, owner, self.gathers_apart)
             bucket = buckets.setdefault(key, GraphBucket([], *key))
             bucket.numels.append(p.shard_numel)
             bucket.copies += (Copy.of(i, p),)
@@ -339,6 +352,15 @@ class CompiledGroup:
             self.presence_leaf(b)  # made here, outside any compiled region
             if not self.options.reshard_after_backward:
                 self.kept_leaf(b)
+
+    def apart_pieces(self) -> tuple[torch.dtype, int]:
+        """What one rank sends in the all-gather of a group that gathers apart, none of whose
+        parameters all-gathers itself: (its dtype, elements): the padded shards in param dtype,
+        as bytes where those differ (eager mode's ``GatherBucket``)."""
+        dtypes = {p.param_dtype for p in self.params}
+        if len(dtypes) == 1:
+            return dtypes.pop(), sum(p.shard_numel for p in self.params)
+        return torch.uint8, sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
 
 
 class Copy(NamedTuple):

@@ -282,10 +282,11 @@ def _trace_gathers(group: CompiledGroup, settings: Settings, x: torch.Tensor, sk
     if group.shard_comm.world == 1:
         return
     steps = [(group.shard_comm, 1)] if not settings.post_forward else [(group.post_forward.across, 1), (group.post_forward.within, group.post_forward.across.world)]
-    for bucket, skip in zip(group.buckets, skipped):
-        for comm, inputs_per_rank in steps if not skip else ():
-            numel = sum(bucket.numels) * inputs_per_rank  # the step's input
-            torch.ops.shardkit.trace_collective(x, "all_gather", group.name, comm.world, comm.mesh_dim, done, numel, bucket.param_dtype)
+    # per bucket, or the group's one where it gathers apart (no parameter of a region's group all-gathers itself)
+    sends = [group.apart_pieces()] if group.gathers_apart else [(b.param_dtype, sum(b.numels)) for b, skip in zip(group.buckets, skipped) if not skip]
+    for dtype, per_rank in sends:
+        for comm, inputs_per_rank in steps:
+            torch.ops.shardkit.trace_collective(x, "all_gather", group.name, comm.world, comm.mesh_dim, done, per_rank * inputs_per_rank, dtype)
 
 
 def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tuple) -> tuple[tuple, tuple]:
@@ -301,11 +302,22 @@ def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         return tuple(s.detach() for s in shards), kept  # nothing reduced, nothing to record
     if group.hsdp and not settings.all_reduce:  # the reduce-scattered sums go to the partial leaves
         i = len(group.buckets)  # gather_inputs's kept: unreduced, then partial, per bucket
-        return tuple(s.detach() for s in shards), (*kept[:i], _Reductions.apply(group, settings, kept[i]), *kept[i + 1 :])
+        return tuple(s.detach() for s in shards), (*kept[:i], _Reductions.apply(group, settings, _reduced_numels(group, shards), kept[i]), *kept[i + 1 :])
     i = next((i for i, s in enumerate(shards) if s.requires_grad), None)
     if i is None:
         return shards, kept
-    return (*shards[:i], _Reductions.apply(group, settings, shards[i]), *shards[i + 1 :]), kept
+    return (*shards[:i], _Reductions.apply(group, settings, _reduced_numels(group, shards), shards[i]), *shards[i + 1 :]), kept
+
+
+def _reduced_numels(group: CompiledGroup, shards: tuple) -> list[int]:
+    """Per bucket, one rank's part of its reduce-scatter: the whole bucket's, or, where frozen
+    parameters sit beside trainable ones, the trainable ones' (gather.Cut)."""
+    numels = []
+    for bucket in group.buckets:
+        trains = [shards[c.index].requires_grad for c in bucket.copies]
+        kept = [n for n, t in zip(bucket.numels, trains) if t] if any(trains) else bucket.numels
+        numels.append(sum(kept) + len(kept))
+    return numels
 
 
 class _Reductions(torch.autograd.Function):
@@ -313,19 +325,19 @@ class _Reductions(torch.autograd.Function):
     region's backward has reduced the gradients: it records those reductions."""
 
     @staticmethod
-    def forward(ctx: Any, group: CompiledGroup, settings: Settings, watched: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.settings = group, settings
+    def forward(ctx: Any, group: CompiledGroup, settings: Settings, numels: list[int], watched: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.settings, ctx.numels = group, settings, numels
         return watched.view_as(watched)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         group, settings = ctx.group, ctx.settings
-        for bucket in group.buckets:
-            numel = bucket.reduced_numel * group.shard_comm.world
+        for bucket, per_rank in zip(group.buckets, ctx.numels):
+            numel = per_rank * group.shard_comm.world
             replicate = group.replicate_comm if settings.all_reduce else None
             ops = reduction_ops(group, settings, bucket.reduce_dtype)
-            for kind, comm, n, avg in (("reduce_scatter", group.shard_comm, numel, ops.shard_averages), ("all_reduce", replicate, bucket.reduced_numel, ops.replicate_averages)):
+            for kind, comm, n, avg in (("reduce_scatter", group.shard_comm, numel, ops.shard_averages), ("all_reduce", replicate, per_rank, ops.replicate_averages)):
                 if comm is not None and comm.world > 1:
                     for done in (False, True):
                         torch.ops.shardkit.trace_collective(grad, kind, group.name, comm.world, comm.mesh_dim, done, n, bucket.reduce_dtype, "avg" if avg else "sum")
-        return None, None, grad
+        return None, None, None, grad

@@ -71,7 +71,7 @@ def reading(group: CompiledGroup, i: int) -> torch.Tensor:
     param, mark = group.forward.gathered[i], group.forward.marks[i]
     if not torch.is_grad_enabled():  # (a norm taken under no_grad): no gradient can come of it, so no use
         return param
-    if not mark.requires_grad or group.extension_mesh is not None:  # (the latter: gathered as bytes, marked by gather._Attach)
+    if not mark.requires_grad or not param.requires_grad or group.params[i].extension is not None:  # (frozen; marked by gather._Attach)
         read(group, i)
         return param
     return _read(param, mark, group.uid, i)

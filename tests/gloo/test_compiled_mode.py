@@ -118,6 +118,39 @@ def mixed_precision_and_accumulation_without_sync_match_eager_shardkit_bit_for_b
 
 
 @checks("shardkit", sim=False)
+def frozen_parameters_beside_trainable_ones_match_eager_shardkit_bit_for_bit(mesh, impl):
+    """The block's attention frozen (as LoRA freezes a base): its group reduce-scatters only the
+    trainable parameters (gather.Cut), frozen ones keep ``grad=None``. Two steps, two microbatches
+    without sync and one with it, then the attention unfrozen (a new graph) and one more step:
+    the same losses and bits as eager shardkit, and the unsharded model's parameters."""
+    def frozen_gpt():
+        model = one_block_gpt()
+        model.blocks[0].attn.requires_grad_(False)
+        return model
+
+    runs, losses = {}, {}
+    for mode, backend in (("eager", None), ("compiled", "aot_eager")):
+        torch._dynamo.reset()
+        p = Parity.build(frozen_gpt, shard(mode, mesh), mesh, "compiled", loss_of=gpt_loss)
+        sharded = p.model
+        if backend is not None:
+            p.model = torch.compile(p.model, backend=backend, fullgraph=True)
+        losses[mode] = [step.loss for step in p.train(gpt_batches(2))]
+        for i, batch in enumerate(gpt_batches(3, seed=20)):
+            sharded.set_requires_gradient_sync(i == 2)
+            losses[mode].append(p.forward_backward(batch).loss)
+        p.assert_grads_match()
+        p.optimizer_step()
+        for model in (sharded, p.ref):
+            model.blocks[0].attn.requires_grad_(True)
+        losses[mode] += [step.loss for step in p.train(gpt_batches(1, seed=30))]
+        p.assert_params_match()
+        runs[mode] = p
+    assert [torch.equal(c, e) for c, e in zip(losses["compiled"], losses["eager"])] == [True] * 6, losses
+    assert_same_bits(runs["compiled"], runs["eager"], "frozen attention, then unfrozen")
+
+
+@checks("shardkit", sim=False)
 def transformers_models_compile_as_one_graph_and_train_like_the_unsharded_model(mesh, impl):
     """Models users bring, from transformers, one decoder layer each: LlamaForCausalLM
     (grouped-query attention, rotary embeddings, the embedding tied to the head) and
