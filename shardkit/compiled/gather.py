@@ -323,7 +323,6 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         shards = inputs[:n]
         unreduced, partial, presence, reuse, keep = (inputs[n + k * b : n + (k + 1) * b] for k in range(len(KEPT)))  # per bucket each
         unsharded: list[Any] = [None] * n
-        marks = []  # per bucket
         marks: list[Any] = [None] * len(buckets)  # per bucket
         # Gathering apart, the buckets' autograd functions only reduce: made last to first, as
         # autograd runs the latest first, so that they reduce-scatter in eager mode's order
@@ -335,14 +334,7 @@ def gathered(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
             for c, param in zip(copies, params):
                 unsharded[c.index] = param
         if group.gathers_apart:
-            built = _gathered_apart(group, settings, shards, traced)
-            for bucket, bucket_marks in zip(buckets, marks):
-                for c, mark in zip(_copies(bucket), bucket_marks.unbind()):
-                    if not shards[c.index].requires_grad:  # frozen: no gradient, as eager mode's
-                        unsharded[c.index] = built[c.index]
-                        continue
-                    hooked = group.params[c.index].extension is not None  # (the others are marked where read: unused.reading)
-                    unsharded[c.index] = _Attach.apply(unsharded[c.index], mark if hooked else None, built[c.index])
+            _attach(group, _gathered_apart(group, settings, shards, traced), shards, unsharded, marks)
         for bucket in buckets:
             for c in _copies(bucket):
                 if c.tp:
@@ -436,6 +428,19 @@ def _as(column: torch.Tensor, dtype: torch.dtype, as_bytes: bool) -> torch.Tenso
     """A piece's column ``(world, size)`` of the all-gather output, copied out flat in its own
     dtype (a copy: a view of bytes as a wider dtype needs an aligned offset)."""
     return column.clone(memory_format=torch.contiguous_format).view(-1).view(dtype) if as_bytes else column.contiguous()
+
+
+def _attach(group: CompiledGroup, built: dict[int, torch.Tensor], shards: tuple, unsharded: list, marks: list) -> None:
+    """What ``_gathered_apart`` built, in ``unsharded`` in place of the carriers' columns, with
+    their gradients going to the carriers (``_Attach``); a frozen parameter's takes none, as
+    eager mode's."""
+    for bucket, bucket_marks in zip(group.buckets, marks):
+        for c, mark in zip(_copies(bucket), bucket_marks.unbind()):
+            if not shards[c.index].requires_grad:
+                unsharded[c.index] = built[c.index]
+                continue
+            hooked = group.params[c.index].extension is not None  # (the others are marked where read: unused.reading)
+            unsharded[c.index] = _Attach.apply(unsharded[c.index], mark if hooked else None, built[c.index])
 
 
 def _send(group: CompiledGroup, i: int, shard: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
