@@ -74,23 +74,24 @@ def test_a_group_of_mixed_dtypes_or_frozen_parameters_has_eager_modes_collective
     assert len(gathers) == 1  # one all-gather for the group, whatever its dtypes
 
 
-def test_regions_of_lora_blocks_reduce_only_the_adapters(monkeypatch):
-    """Four LoRA blocks as regions: the region's traced reductions are eager mode's too."""
+@pytest.mark.parametrize("case", ["lora-fp32", "bf16-fp32", "lora-policy-bf16-fp32"])
+def test_blocks_as_regions_have_eager_modes_collectives_too(monkeypatch, case):
+    """Four such blocks as nested compile regions: the collectives traced around each region
+    call (its one all-gather, its reductions) are eager mode's too."""
     monkeypatch.setattr(region, "REGIONS_FROM", 4)
     with fake_world(8) as mesh:
         torch._dynamo.reset()
-        eager, compiled = _run("eager", "lora-fp32", mesh, 4), _run("compiled", "lora-fp32", mesh, 4)
-        regions = sum(m._shardkit_state.region for m in compiled_model_blocks(mesh))
-    assert regions == 4
+        eager, compiled = _run("eager", case, mesh, 4), _run("compiled", case, mesh, 4)
+        assert [block._shardkit_state.region for block in _compiled_blocks(case, mesh)] == [True] * 4
     assert compiled == eager
 
 
-def compiled_model_blocks(mesh) -> list[nn.Module]:
-    """The blocks of a model of four LoRA blocks sharded in compiled mode, and whether each runs as a region."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*(Mixed(FP32) for _ in range(4)))
+def _compiled_blocks(case: str, mesh) -> list[nn.Module]:
+    """The blocks of ``_run``'s model of four blocks, sharded in compiled mode (not run)."""
+    base_dtype, policy, frozen = CASES[case]
+    model = nn.Sequential(*(Mixed(base_dtype) for _ in range(4)))
     for block in model:
-        block.base.requires_grad_(False)
-        shardkit.compiled.fully_shard(block, mesh=mesh)
-    shardkit.compiled.fully_shard(model, mesh=mesh)
+        block.base.requires_grad_(not frozen)
+        shardkit.compiled.fully_shard(block, mesh=mesh, **({} if policy is None else dict(mp_policy=policy)))
+    shardkit.compiled.fully_shard(model, mesh=mesh, **({} if policy is None else dict(mp_policy=policy)))
     return list(model)
