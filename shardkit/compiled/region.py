@@ -302,7 +302,8 @@ def _watched(group: CompiledGroup, settings: Settings, shards: tuple, kept: tupl
         return tuple(s.detach() for s in shards), kept  # nothing reduced, nothing to record
     if group.hsdp and not settings.all_reduce:  # the reduce-scattered sums go to the partial leaves
         i = len(group.buckets)  # gather_inputs's kept: unreduced, then partial, per bucket
-        return tuple(s.detach() for s in shards), (*kept[:i], _Reductions.apply(group, settings, _reduced_numels(group, shards), kept[i]), *kept[i + 1 :])
+        detached = tuple(s.detach() for s in shards)  # (frozen or not, all alike: the region reduces every parameter's rows)
+        return detached, (*kept[:i], _Reductions.apply(group, settings, _reduced_numels(group, detached), kept[i]), *kept[i + 1 :])
     i = next((i for i, s in enumerate(shards) if s.requires_grad), None)
     if i is None:
         return shards, kept
