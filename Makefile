@@ -89,7 +89,7 @@ test-fast: $(STAMP)
 COMPILED_FAKE_TESTS = tests/fake/test_compiled_graphs.py tests/fake/test_compiled_overlap.py \
 	tests/fake/test_compiled_methods.py tests/fake/test_compiled_regions.py tests/fake/test_compiled_post_forward.py \
 	tests/fake/test_compiled_extensions.py tests/fake/test_grad_hooks.py tests/fake/test_compiled_fuzz_models.py \
-	tests/fake/test_compiled_forward_hooks.py
+	tests/fake/test_compiled_forward_hooks.py tests/fake/test_compiled_buckets.py
 SIDE_LANE_TESTS = tests/examples tests/gloo/test_pipeline.py
 GLOO_LANE = tests/gloo tests/checkpoint $(SIDE_LANE_TESTS:%=--ignore=%)
 MAIN_LANE = tests --ignore=tests/gloo --ignore=tests/checkpoint $(SIDE_LANE_TESTS:%=--ignore=%)
